@@ -1,0 +1,25 @@
+"""Checkpoints in an object store: checksummed, committed manifest-last, loaded without running code.
+
+No Prefect import here: this layer is plain fsspec + tenacity + torch.
+"""
+
+from checkpointing.manifest import Manifest, Writer
+from checkpointing.storage import RetrySettings, StorageError
+from checkpointing.store import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    CorruptCheckpointError,
+    FencedError,
+    LoadedCheckpoint,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    open_checkpoint_uri,
+    validate_name,
+)
+
+__all__ = [
+    "CheckpointError", "CheckpointInfo", "CheckpointStore", "CorruptCheckpointError", "FencedError",
+    "LoadedCheckpoint", "Manifest", "NotACheckpointError", "RetrySettings", "StorageError", "UnsafeCheckpointError", "Writer",
+    "open_checkpoint_uri", "validate_name",
+]

@@ -1,0 +1,188 @@
+"""A handful of object-store operations over fsspec, each retried by tenacity on transient faults.
+
+Remote paths stay strings (a ``pathlib.Path`` collapses ``s3://`` to ``s3:/``). Only operations an
+object store really has are used: put a whole object, get a whole object, list, delete. There is no
+rename and no symlink, so the commit protocol in ``store.py`` never relies on one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import fsspec
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_READ_CHUNK = 8 * 1024 * 1024
+# Error codes and words that S3-compatible stores use for faults worth retrying.
+_TRANSIENT_WORDS = (
+    "slowdown", "slow down", "throttl", "requesttimeout", "request timeout", "internalerror",
+    "serviceunavailable", "service unavailable", "bad gateway", "gateway timeout",
+    "connection reset", "connection aborted", "broken pipe",
+    "server disconnected", "timed out", "timeout", "temporarily unavailable",
+)
+_TRANSIENT_STATUS = re.compile(r"\b(500|502|503|504|429)\b")
+_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+class StorageError(RuntimeError):
+    """An object-store operation failed for good (permanent error, or retries exhausted)."""
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    """How hard to try an object-store call before giving up."""
+
+    attempts: int = 6
+    max_seconds: float = 120.0
+    initial_wait: float = 0.2
+    max_wait: float = 10.0
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for faults that a retry can cure: timeouts, resets, 5xx, throttling."""
+    if isinstance(exc, _PERMANENT_TYPES):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    names = {type(e).__name__ for e in _chain(exc)}
+    if names & {"ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError",
+                "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                "ConnectionClosedError", "ServerTimeoutError", "IncompleteReadError",
+                "ResponseStreamingError"}:
+        return True
+    text = " ".join(str(e).lower() for e in _chain(exc))
+    return any(word in text for word in _TRANSIENT_WORDS) or bool(_TRANSIENT_STATUS.search(text))
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+class Storage:
+    """Object-store I/O rooted at one URL. Every call retries transient faults with backoff+jitter."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 retry: RetrySettings | None = None):
+        if "://" not in url:  # a plain local path: report it absolute, as file URIs are
+            url = os.path.abspath(url)
+        self.url = url.rstrip("/")
+        self.retry = retry or RetrySettings()
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = self.root.rstrip("/")
+        self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.is_local = self.protocol in ("file", "local")
+
+    # -- paths ---------------------------------------------------------------------------------
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def uri(self, key: str = "") -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    # -- operations ----------------------------------------------------------------------------
+    def put(self, key: str, data: bytes) -> None:
+        path = self.path(key)
+        if self.is_local:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self._call(f"put {key}", lambda: self.fs.pipe_file(path, data))
+
+    def get(self, key: str) -> bytes:
+        return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
+
+    def get_hashed(self, key: str) -> tuple[bytes, str]:
+        """Reads an object once, computing its sha256 on the way (no second pass over big files)."""
+
+        def read() -> tuple[bytes, str]:
+            digest = hashlib.sha256()
+            chunks = []
+            with self.fs.open(self.path(key), "rb", block_size=_READ_CHUNK) as f:
+                while chunk := f.read(_READ_CHUNK):
+                    digest.update(chunk)
+                    chunks.append(chunk)
+            return b"".join(chunks), digest.hexdigest()
+
+        return self._call(f"get {key}", read)
+
+    def exists(self, key: str) -> bool:
+        return self._call(f"exists {key}", lambda: self.fs.exists(self.path(key)))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Sizes of every object under ``prefix``, keyed by path relative to it."""
+        base = self.path(prefix).rstrip("/") + "/"
+
+        def find() -> dict[str, int]:
+            self.fs.invalidate_cache()
+            found = self.fs.find(base, detail=True)
+            return {p[len(base):]: int(info.get("size") or 0) for p, info in found.items()
+                    if info.get("type", "file") == "file"}
+
+        return self._call(f"list {prefix}", find)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the immediate sub-folders of ``prefix`` (empty when it does not exist)."""
+        base = self.path(prefix).rstrip("/")
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache()
+            try:
+                entries = self.fs.ls(base, detail=True)
+            except FileNotFoundError:
+                return []
+            return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries
+                          if e.get("type") == "directory")
+
+        return self._call(f"list {prefix}", ls)
+
+    def delete(self, key: str, recursive: bool = False) -> None:
+        def rm() -> None:
+            try:
+                self.fs.rm(self.path(key), recursive=recursive)
+            except FileNotFoundError:
+                pass
+
+        self._call(f"delete {key}", rm)
+
+    # -- retry ---------------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        r = self.retry
+        retrying = Retrying(
+            retry=retry_if_exception(is_transient),
+            stop=stop_after_attempt(r.attempts) | stop_after_delay(r.max_seconds),
+            wait=wait_random_exponential(multiplier=r.initial_wait, max=r.max_wait),
+            before_sleep=lambda state: _log_retry(self.uri(), what, state),
+            reraise=True,
+        )
+        try:
+            return retrying(fn)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the operation named
+            kind = "transient, retries exhausted" if is_transient(exc) else "permanent"
+            raise StorageError(f"{what} at {self.uri()} failed ({kind}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+
+def _log_retry(url: str, what: str, state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    log.warning("object store %s: %s failed (attempt %d: %s: %s); retrying in %.2fs",
+                url, what, state.attempt_number, type(exc).__name__, exc,
+                state.next_action.sleep if state.next_action else 0.0)

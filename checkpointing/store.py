@@ -1,0 +1,317 @@
+"""CheckpointStore: the checkpoints of one run in an object store, committed so that nothing torn is read.
+
+Layout under ``<save_folder>/<run_name>/``::
+
+    checkpoints/<name>/state.pt        model/optimizer/scheduler state; weights at ["state"]["model"]
+    checkpoints/<name>/rng-rank<r>.pt  per-rank RNG states
+    checkpoints/<name>/manifest.json   size + sha256 of every file above, progress, writer; written last
+    latest                             {"name", "generation"}; moved only after the manifest is written
+
+Commit order is files, then manifest, then ``latest``. A reader trusts ``latest`` only if the checkpoint
+it names verifies; otherwise it lists manifests and takes the newest one that verifies. Loading hashes
+each file while downloading it and refuses anything ``torch.load(weights_only=True)`` would not load
+safely, so a checkpoint from a shared bucket cannot run code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from checkpointing.manifest import MANIFEST, Manifest, ManifestError, Writer, describe
+from checkpointing.storage import RetrySettings, Storage
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.pt"
+POINTER = "latest"
+CHECKPOINTS = "checkpoints"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class CheckpointError(RuntimeError):
+    """Base class for checkpoint problems."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files do not match what its manifest vouches for."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds something that only an unsafe (code-running) unpickler could load."""
+
+
+class NotACheckpointError(CheckpointError, ValueError):
+    """A URI given as a checkpoint names no checkpoint or run."""
+
+
+class FencedError(CheckpointError):
+    """A newer writer generation owns this run; this writer must stop."""
+
+
+def validate_name(value: str, option: str = "run_name") -> str:
+    """Names become path segments: reject separators, '..', absolute paths and odd characters."""
+    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+        raise ValueError(f"{option}={value!r}: use 1-128 letters, digits, '.', '_' or '-', starting "
+                         f"with a letter or digit (no '/', '..' or absolute paths)")
+    return value
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint, as its manifest describes it."""
+
+    name: str
+    uri: str
+    manifest: Manifest
+
+    @property
+    def progress(self) -> dict[str, int]:
+        return self.manifest.progress
+
+    @property
+    def size_bytes(self) -> int:
+        return self.manifest.size_bytes
+
+
+@dataclass
+class LoadedCheckpoint:
+    info: CheckpointInfo
+    objects: dict[str, Any]
+
+
+class CheckpointStore:
+    """The checkpoints of run ``run_name`` under ``save_folder`` (any fsspec URL)."""
+
+    def __init__(self, save_folder: str, run_name: str, *,
+                 storage_options: dict[str, Any] | None = None, retry: RetrySettings | None = None):
+        validate_name(run_name)
+        self.run_name = run_name
+        self.storage = Storage(f"{str(save_folder).rstrip('/')}/{run_name}", storage_options, retry)
+        self.uri = self.storage.url
+        self._in_flight: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.uri!r})"
+
+    # -- reading -------------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Checkpoints whose manifest exists and parses, oldest first (not yet verified)."""
+        infos = []
+        for name in self.storage.list_dirs(CHECKPOINTS):
+            info = self._info(name)
+            if info is not None:
+                infos.append(info)
+        return sorted(infos, key=lambda i: i.manifest.order)
+
+    def latest(self, deep: bool = False) -> CheckpointInfo | None:
+        """The newest checkpoint that verifies: ``latest`` if it does, else the newest listed one.
+
+        ``deep=False`` checks the manifest and every file's size; ``deep=True`` also hashes the files
+        (``load`` always hashes, while it downloads).
+        """
+        return next(iter(self._candidates(deep)), None)
+
+    def check(self, checkpoint: str | CheckpointInfo, deep: bool = False) -> list[str]:
+        """What is wrong with a checkpoint; an empty list means it verifies."""
+        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self._info(checkpoint)
+        if info is None:
+            return [f"{checkpoint}: no readable {MANIFEST}"]
+        prefix = self._key(info.name)
+        found = self.storage.sizes(prefix)
+        problems = []
+        for fname, entry in info.manifest.files.items():
+            if fname not in found:
+                problems.append(f"{info.name}/{fname}: missing")
+            elif found[fname] != entry.size:
+                problems.append(f"{info.name}/{fname}: size {found[fname]} != {entry.size} in manifest")
+            elif deep:
+                _, digest = self.storage.get_hashed(f"{prefix}/{fname}")
+                if digest != entry.sha256:
+                    problems.append(f"{info.name}/{fname}: sha256 mismatch")
+        return problems
+
+    def load(self, checkpoint: str | CheckpointInfo, files: Iterable[str] | None = None) -> LoadedCheckpoint:
+        """Downloads, verifies (hashing on the way) and safely unpickles a checkpoint's files."""
+        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self._info(checkpoint)
+        if info is None:
+            raise CorruptCheckpointError(f"{self.uri}/{CHECKPOINTS}/{checkpoint}: no readable {MANIFEST}")
+        wanted = list(info.manifest.files) if files is None else list(files)
+        objects = {}
+        for fname in wanted:
+            entry = info.manifest.files.get(fname)
+            if entry is None:
+                continue
+            try:
+                data, digest = self.storage.get_hashed(f"{self._key(info.name)}/{fname}")
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{info.uri}/{fname}: missing") from exc
+            if len(data) != entry.size or digest != entry.sha256:
+                raise CorruptCheckpointError(
+                    f"{info.uri}/{fname}: {len(data)} bytes, sha256 {digest[:12]}… does not match the "
+                    f"manifest ({entry.size} bytes, {entry.sha256[:12]}…)")
+            objects[fname] = safe_load(data, f"{info.uri}/{fname}")
+        return LoadedCheckpoint(info=info, objects=objects)
+
+    def load_latest(self, files: Iterable[str] | None = None) -> LoadedCheckpoint | None:
+        """Loads the newest good checkpoint, falling back past any whose files fail verification."""
+        files = None if files is None else list(files)
+        for info in self._candidates(deep=False):
+            try:
+                return self.load(info, files)
+            except CorruptCheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s", info.name, exc)
+        return None
+
+    def read_pointer(self) -> dict[str, Any] | None:
+        try:
+            raw = json.loads(self.storage.get(POINTER))
+            return {"name": str(raw["name"]), "generation": int(raw.get("generation", 0))}
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("%s/%s is unreadable (%s); listing checkpoints instead", self.uri, POINTER, exc)
+            return None
+
+    # -- writing -------------------------------------------------------------------------------
+    def save(self, name: str, objects: dict[str, Any], *, progress: dict[str, int],
+             metadata: dict[str, Any] | None = None, writer: Writer | None = None) -> CheckpointInfo:
+        """Serializes ``objects`` (file name -> object for ``torch.save``) and commits them."""
+        return self.commit(name, serialize(objects), progress=progress, metadata=metadata, writer=writer)
+
+    def commit(self, name: str, blobs: dict[str, bytes], *, progress: dict[str, int],
+               metadata: dict[str, Any] | None = None, writer: Writer | None = None) -> CheckpointInfo:
+        """Writes files, then the manifest, then moves ``latest``. Raises FencedError for stale writers."""
+        validate_name(name, "checkpoint name")
+        for fname in blobs:
+            validate_name(fname, "checkpoint file name")
+        writer = writer or Writer.current()
+        self._check_fence(writer)
+        prefix = self._key(name)
+        self._in_flight.add(name)
+        try:
+            self.storage.delete(f"{prefix}/{MANIFEST}")  # a re-save first un-commits the old copy
+            for fname, data in blobs.items():
+                self.storage.put(f"{prefix}/{fname}", data)
+            manifest = Manifest(name=name, files={f: describe(d) for f, d in blobs.items()},
+                                progress=dict(progress), metadata=dict(metadata or {}), writer=writer)
+            self.storage.put(f"{prefix}/{MANIFEST}", manifest.to_json())
+            self._check_fence(writer)
+            self.storage.put(POINTER, json.dumps({"name": name, "generation": writer.generation}).encode())
+        finally:
+            self._in_flight.discard(name)
+        return CheckpointInfo(name=name, uri=self.storage.uri(prefix), manifest=manifest)
+
+    def prune(self, keep: int) -> list[str]:
+        """Deletes all but the ``keep`` newest checkpoints; never the one ``latest`` names or one in flight."""
+        if keep < 0:
+            return []
+        pointer = self.read_pointer()
+        protected = set(self._in_flight) | ({pointer["name"]} if pointer else set())
+        newest_first = list(reversed(self.list()))
+        kept = [i.name for i in newest_first if i.name in protected]
+        deleted = []
+        for info in newest_first:
+            if info.name in protected:
+                continue
+            if len(kept) < keep:
+                kept.append(info.name)
+                continue
+            self.delete(info.name)
+            deleted.append(info.name)
+        return deleted
+
+    def delete(self, name: str) -> None:
+        """Un-commits (manifest first) and then removes a checkpoint."""
+        validate_name(name, "checkpoint name")
+        self.storage.delete(f"{self._key(name)}/{MANIFEST}")
+        self.storage.delete(self._key(name), recursive=True)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _key(self, name: str) -> str:
+        return f"{CHECKPOINTS}/{name}"
+
+    def _info(self, name: str) -> CheckpointInfo | None:
+        try:
+            manifest = Manifest.from_json(self.storage.get(f"{self._key(name)}/{MANIFEST}"))
+        except FileNotFoundError:
+            return None
+        except ManifestError as exc:
+            log.warning("checkpoint %s/%s: %s", self.uri, name, exc)
+            return None
+        return CheckpointInfo(name=name, uri=self.storage.uri(self._key(name)), manifest=manifest)
+
+    def _candidates(self, deep: bool):
+        """Checkpoints that verify, best first: the one ``latest`` names, then newest to oldest."""
+        pointer = self.read_pointer()
+        tried = set()
+        if pointer is not None:
+            tried.add(pointer["name"])
+            info = self._info(pointer["name"])
+            problems = self.check(info, deep) if info else [f"{pointer['name']}: no readable {MANIFEST}"]
+            if not problems:
+                yield info
+            else:
+                log.warning("latest names %s, which does not verify (%s); using the newest good one",
+                            pointer["name"], "; ".join(problems))
+        for info in reversed(self.list()):
+            if info.name in tried:
+                continue
+            problems = self.check(info, deep)
+            if problems:
+                log.warning("skipping checkpoint %s: %s", info.name, "; ".join(problems))
+                continue
+            yield info
+
+    def _check_fence(self, writer: Writer) -> None:
+        pointer = self.read_pointer()
+        if pointer is not None and pointer["generation"] > writer.generation:
+            raise FencedError(f"{self.uri}: generation {pointer['generation']} has written this run; "
+                              f"this writer (generation {writer.generation}) is stale and must stop")
+
+
+def serialize(objects: dict[str, Any]) -> dict[str, bytes]:
+    blobs = {}
+    for fname, obj in objects.items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        blobs[fname] = buf.getvalue()
+    return blobs
+
+
+def safe_load(data: bytes, where: str) -> Any:
+    """``torch.load`` with ``weights_only=True``: tensors and plain containers only, never code."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{where} holds objects that only an unsafe unpickler could load; refusing it "
+            f"(weights_only=True). If you wrote this file yourself, re-save it with tensors and plain "
+            f"containers only. Detail: {str(exc).splitlines()[0]}") from exc
+
+
+def open_checkpoint_uri(uri: str, *, storage_options: dict[str, Any] | None = None,
+                        files: Iterable[str] | None = None) -> LoadedCheckpoint:
+    """Loads a checkpoint named by URI: a checkpoint folder, or a run folder (its latest good one)."""
+    uri = str(uri).rstrip("/").removesuffix(f"/{MANIFEST}").rstrip("/")
+    probe = Storage(uri, storage_options)
+    if probe.exists(MANIFEST) and f"/{CHECKPOINTS}/" in uri:
+        run_uri, name = uri.rsplit(f"/{CHECKPOINTS}/", 1)
+        folder, run = run_uri.rsplit("/", 1)
+        return CheckpointStore(folder, run, storage_options=storage_options).load(name, files)
+    if "/" in uri and (probe.exists(POINTER) or probe.exists(CHECKPOINTS)):
+        folder, run = uri.rsplit("/", 1)
+        loaded = CheckpointStore(folder, run, storage_options=storage_options).load_latest(files)
+        if loaded is not None:
+            return loaded
+        raise NotACheckpointError(f"load_path={uri!r}: the run there has no checkpoint that verifies")
+    raise NotACheckpointError(f"load_path={uri!r}: neither a checkpoint folder (with {MANIFEST}) nor a run folder "
+                          f"(with '{POINTER}' or '{CHECKPOINTS}/'); point it at <save_folder>/<run_name> or "
+                          f"<save_folder>/<run_name>/{CHECKPOINTS}/<name>")

@@ -1,0 +1,119 @@
+"""The training flow: plan the remaining units, run each as a retryable task, evaluate, report.
+
+    python -m flows.train --run_name demo --max_duration 5ep
+    TRAIN_SAVE_FOLDER=s3://bucket/runs python -m flows.train
+    from flows.train import train, TrainConfig; train(TrainConfig(run_name="x"))
+"""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import SettingsError
+
+from checkpointing import CheckpointError, NotACheckpointError, open_checkpoint_uri
+from tasks import evaluate, unit_task
+from training.config import ConfigError, TrainConfig, describe_error, load_config
+from training.loop import UnitResult, open_store
+from training.progress import Progress, is_complete, rescaled, unit_index
+from training.recipe import load_recipe
+
+__all__ = ["TrainConfig", "TrainResult", "main", "train"]
+
+
+class TrainResult(BaseModel):
+    """What a run reports: where it stands and where its last checkpoint is (never the model)."""
+
+    run_name: str
+    checkpoint: str
+    epoch: int
+    step: int
+    samples_seen: int
+    sample_in_epoch: int
+    metrics: dict[str, float]
+    units: list[UnitResult]
+    started_from: str
+
+
+@flow(name="train", flow_run_name="{config.run_name}", validate_parameters=True)
+def train(config: TrainConfig) -> TrainResult:
+    """Train ``config.recipe`` to ``config.max_duration``, one checkpointed unit per task."""
+    log = get_run_logger()
+    load_recipe(config)  # a bad recipe or recipe_args fails here, before anything is written
+    store = open_store(config)
+    start = store.latest()
+    if start is not None and not config.autoresume and flow_run.run_count <= 1:
+        raise ConfigError(f"autoresume=False but run_name={config.run_name!r} already has checkpoints in "
+                          f"{store.uri}; set autoresume=True to continue it, or choose a new run_name")
+    if start is None and config.load_path:
+        _check_load_path(config)
+    pointer = store.read_pointer()
+    generation = (pointer["generation"] if pointer else 0) + 1
+    progress = rescaled(Progress.from_dict(start.progress), config.global_batch_size) if start else Progress()
+    log.info("run %s in %s: %s; %s to train", config.run_name, store.uri,
+             f"resuming from checkpoint {start.name}" if start else "no checkpoint yet",
+             "nothing left" if is_complete(progress, config.duration) else config.max_duration)
+
+    run_unit_task, units = unit_task(config), []
+    while not is_complete(progress, config.duration):
+        result = run_unit_task(config, unit=unit_index(progress, config.interval),
+                               start_checkpoint=start.name if start else None, generation=generation)
+        if result.metrics.get("steps", 0) == 0 and not result.complete:
+            raise RuntimeError(f"unit {result.unit} trained no step; stopping rather than looping")
+        progress, units = Progress.from_dict(result.progress), units + [result]
+        if config.eval_each_unit and not result.complete:
+            evaluate(config, result.checkpoint_name)
+
+    final_name = units[-1].checkpoint_name if units else start.name
+    final_uri = units[-1].checkpoint if units else start.uri
+    metrics = evaluate(config, final_name)
+    log.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
+             config.run_name, progress.epoch, progress.step, progress.samples_seen, len(units), final_uri,
+             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return TrainResult(run_name=config.run_name, checkpoint=final_uri, epoch=progress.epoch, step=progress.step,
+                       samples_seen=progress.samples_seen, sample_in_epoch=progress.sample_in_epoch,
+                       metrics=metrics, units=units,
+                       started_from=f"checkpoint {start.name}" if start else "no checkpoint")
+
+
+def _check_load_path(config: TrainConfig) -> None:
+    try:
+        open_checkpoint_uri(config.load_path, storage_options=config.storage_options, files=[])
+    except NotACheckpointError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.train``: exit 0 when the run is complete, else non-zero with one clear message."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config = load_config(argv)
+    except ValidationError as exc:
+        print(f"error: invalid configuration:\n{describe_error(exc)}", file=sys.stderr)
+        return 2
+    except (SettingsError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = train(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print(f"error: run {config.run_name!r}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one clear line for the person at the terminal
+        print(f"error: run {config.run_name!r} did not complete: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    metrics = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
+    print(f"run {result.run_name} complete: epoch {result.epoch}, step {result.step}, "
+          f"{result.samples_seen} samples; {metrics}; checkpoint {result.checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""Prefect tasks: one unit of training, and evaluation. The retry policy lives here."""
+
+from tasks.train_unit import evaluate, train_unit, unit_task
+
+__all__ = ["evaluate", "train_unit", "unit_task"]

@@ -1,0 +1,207 @@
+"""TrainConfig: the one settings tree, validated once at the edge.
+
+Flags (``--run_name x``), environment variables (``TRAIN_RUN_NAME=x``) and an optional YAML or TOML
+file (``--config_file run.toml``) all fill this one class; precedence is flags > environment > file
+> defaults. Everything below the edge takes the typed object.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from checkpointing.store import validate_name
+
+_DURATION = re.compile(r"^\s*(\d+)\s*(ep|ba)\s*$")
+_config_file: contextvars.ContextVar[str | None] = contextvars.ContextVar("config_file", default=None)
+
+
+class ConfigError(ValueError):
+    """A configuration value the run cannot use. Never retried."""
+
+
+@dataclass(frozen=True)
+class Duration:
+    """A length of training: ``value`` epochs (``unit='ep'``) or batches (``unit='ba'``)."""
+
+    value: int
+    unit: Literal["ep", "ba"]
+
+    @classmethod
+    def parse(cls, text: str, option: str = "duration") -> "Duration":
+        m = _DURATION.match(str(text))
+        if not m or int(m.group(1)) <= 0:
+            raise ValueError(f"{option}={text!r}: use '<n>ep' (epochs) or '<n>ba' (batches) with n >= 1, "
+                             f"e.g. '10ep' or '500ba'")
+        return cls(int(m.group(1)), m.group(2))  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return f"{self.value}{self.unit}"
+
+
+def _duration(option: str):
+    return AfterValidator(lambda v: str(Duration.parse(v, option)))
+
+
+def _recipe_path(value: str) -> str:
+    module, sep, attr = value.partition(":")
+    if not sep or not module or not attr or not all(p.isidentifier() for p in module.split(".") + [attr]):
+        raise ValueError(f"recipe={value!r}: use an import path 'package.module:ClassName', "
+                         f"e.g. 'recipes.digits:DigitsRecipe'")
+    return value
+
+
+class TrainConfig(BaseSettings):
+    """Resumable training of a PyTorch recipe, one checkpointed unit at a time."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TRAIN_", extra="forbid", validate_default=True, cli_prog_name="python -m flows.train",
+        cli_exit_on_error=False, cli_hide_none_type=True, cli_avoid_json=False,
+    )
+
+    run_name: Annotated[str, AfterValidator(validate_name)] = Field(
+        "default", description="Name of the run; its checkpoints live in <save_folder>/<run_name>/.")
+    save_folder: str = Field(
+        "runs", description="Where runs are stored: a local path or any fsspec URL (file://, s3://, memory://).")
+    recipe: Annotated[str, AfterValidator(_recipe_path)] = Field(
+        "recipes.digits:DigitsRecipe", description="Import path 'module:Class' of the recipe to train.")
+    recipe_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the recipe's constructor (JSON on the CLI).")
+    max_duration: Annotated[str, _duration("max_duration")] = Field(
+        "5ep", description="Total length of training: '<n>ep' or '<n>ba'.")
+    save_interval: Annotated[str, _duration("save_interval")] = Field(
+        "1ep", description="Length of one unit (one Prefect task, one checkpoint): '<n>ep' or '<n>ba'.")
+    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, summed over all processes.")
+    seed: int = Field(42, ge=0, description="Seed for initialization, data order and every RNG.")
+    shuffle: bool = Field(True, description="Visit samples in a seeded random order each epoch (else in id order).")
+    autoresume: bool = Field(
+        True, description="Continue the run's latest good checkpoint. If false, a run that already has "
+                          "checkpoints is refused rather than overwritten.")
+    load_path: str | None = Field(
+        None, description="Checkpoint (folder URI) or run (folder URI) to start from when the run has none yet.")
+    load_weights_only: bool = Field(
+        False, description="With load_path: take only the model weights (fine-tuning), not optimizer or progress.")
+    ignore_data_skip: bool = Field(
+        False, description="On resume, restart the current epoch's data from its first sample.")
+    data_skip_steps: int | None = Field(
+        None, ge=0, description="On resume, skip this many batches of the new size from the start of the "
+                                "epoch instead of the saved position (for a changed dataset).")
+    num_checkpoints_to_keep: int = Field(
+        -1, description="How many checkpoints to keep (-1 keeps all); the one 'latest' names is always kept.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, repr=False, exclude=True,
+        description="fsspec options for save_folder, e.g. {\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}. "
+                    "Put credentials in the standard AWS variables or profile; these options are never logged "
+                    "and never sent to the Prefect API as a parameter.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train: auto picks CUDA when present.")
+    unit_retries: int = Field(2, ge=0, description="Prefect retries of a failed unit (each one resumes).")
+    retry_delay_seconds: float = Field(1.0, ge=0, description="Base delay of the exponential backoff between unit retries.")
+    store_retry_attempts: int = Field(6, ge=1, description="Attempts per object-store call on transient faults.")
+    store_retry_max_seconds: float = Field(120.0, gt=0, description="Give up an object-store call after this long.")
+    eval_each_unit: bool = Field(False, description="Also evaluate after every unit (always done at the end).")
+    log_every_n_steps: int = Field(20, ge=1, description="Print a progress line every this many steps.")
+    inject_fault_at_step: int | None = Field(
+        None, ge=1, description="Fault injection for demos and tests: the first attempt of the unit that reaches "
+                                "this global step raises right after the step. Off by default.")
+    config_file: str | None = Field(
+        None, description="YAML or TOML file with any of these fields (flags and TRAIN_* variables override it).")
+
+    @field_validator("num_checkpoints_to_keep")
+    @classmethod
+    def _keep(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError(f"num_checkpoints_to_keep={v}: use -1 (keep all) or a count >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "TrainConfig":
+        if self.load_weights_only and not self.load_path:
+            raise ValueError("load_weights_only=True needs load_path: set load_path to a checkpoint or run URI")
+        return self
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource):
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get() or os.environ.get("TRAIN_CONFIG_FILE")
+        if path:
+            sources.append(_file_source(settings_cls, path))
+        return tuple(sources)
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def duration(self) -> Duration:
+        return Duration.parse(self.max_duration)
+
+    @property
+    def interval(self) -> Duration:
+        return Duration.parse(self.save_interval)
+
+    def fingerprint(self) -> str:
+        """Hash of what defines the model and data order (not durations, batch size or storage)."""
+        key = {"recipe": self.recipe, "recipe_args": self.recipe_args, "seed": self.seed, "shuffle": self.shuffle}
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+
+def _file_source(settings_cls: type[BaseSettings], path: str) -> PydanticBaseSettingsSource:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config_file={path!r}: no such file")
+    if path.endswith(".toml"):
+        return TomlConfigSettingsSource(settings_cls, toml_file=path)
+    if path.endswith((".yaml", ".yml")):
+        return YamlConfigSettingsSource(settings_cls, yaml_file=path)
+    raise ConfigError(f"config_file={path!r}: use a .toml, .yaml or .yml file")
+
+
+def load_config(argv: list[str] | None = None, **overrides: Any) -> TrainConfig:
+    """Builds TrainConfig from flags, TRAIN_* variables and an optional config file."""
+    argv = list(argv or [])
+    path = _find_config_file(argv)
+    token = _config_file.set(path)
+    try:
+        cli = CliSettingsSource(TrainConfig, cli_parse_args=argv, cli_exit_on_error=False)
+        return TrainConfig(_cli_settings_source=cli(args=argv), **overrides)
+    finally:
+        _config_file.reset(token)
+
+
+def _find_config_file(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg in ("--config_file", "--config-file") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(("--config_file=", "--config-file=")):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def describe_error(exc: ValidationError) -> str:
+    """One line per invalid field: name, value and what is accepted."""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if field == "storage_options":  # may hold credentials: never echo the value
+            lines.append(f"storage_options: {msg}")
+        elif msg.startswith(f"{field}=") or field == "config":
+            lines.append(msg)
+        else:
+            lines.append(f"{field}={err.get('input')!r}: {msg}")
+    return "\n".join(lines)

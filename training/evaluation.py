@@ -1,0 +1,58 @@
+"""Evaluation of a committed checkpoint on the recipe's eval split (sample-weighted means)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils.data import DataLoader
+
+from checkpointing.store import STATE_FILE
+from training import loop
+from training.config import TrainConfig
+from training.recipe import load_recipe
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str) -> dict[str, float]:
+    """Metrics of ``checkpoint_name``; reuses the in-memory model when it is that checkpoint."""
+    warm = loop._warm
+    store = loop.open_store(config)
+    if warm is not None and warm.key == loop._warm_key(config, store, checkpoint_name):
+        recipe, model, device = warm.recipe, warm.model, warm.device
+    else:
+        recipe, device = load_recipe(config), loop.pick_device(config)
+        model = recipe.build_model().to(device)
+        state = store.load(checkpoint_name, files=[STATE_FILE]).objects[STATE_FILE]
+        model.load_state_dict(state["state"]["model"])
+    if not (callable(getattr(recipe, "eval_dataset", None)) and callable(getattr(recipe, "evaluate", None))):
+        return {}
+    return _run(recipe, model, device, config.global_batch_size)
+
+
+def _run(recipe, model: torch.nn.Module, device: torch.device, batch_size: int) -> dict[str, float]:
+    dataset = recipe.eval_dataset()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=getattr(recipe, "collate_fn", None))
+    totals: dict[str, float] = {}
+    count = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                n = _batch_len(batch)
+                for k, v in recipe.evaluate(model, loop.to_device(batch, device)).items():
+                    totals[k] = totals.get(k, 0.0) + float(v) * n
+                count += n
+    finally:
+        model.train(was_training)
+    return {k: v / max(count, 1) for k, v in totals.items()}
+
+
+def _batch_len(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, dict):
+        return _batch_len(next(iter(batch.values())))
+    return _batch_len(batch[0])

@@ -1,0 +1,43 @@
+"""The sample order: one seeded permutation per epoch, independent of batch size and world size.
+
+A global batch is the next ``global_batch_size`` ids of that order starting at ``sample_in_epoch``;
+rank ``r`` of ``world_size`` takes ids ``r, r + world_size, ...`` of it. Seeking to any position is
+slicing, O(1) in the position: no batch is replayed to get there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.data import Sampler
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, epoch) over the seed space
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The order in which epoch ``epoch`` visits sample ids 0..num_samples-1."""
+    if not shuffle:
+        return torch.arange(num_samples)
+    g = torch.Generator().manual_seed((seed * _MIX + epoch) % (2**63 - 1))
+    return torch.randperm(num_samples, generator=g)
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """This rank's share of each global batch, from ``start`` (a sample position) to the epoch's end."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, *, seed: int, epoch: int, start: int = 0,
+                 shuffle: bool = True, rank: int = 0, world_size: int = 1):
+        if not 0 <= start <= num_samples:
+            raise ValueError(f"start={start} is outside an epoch of {num_samples} samples")
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.seed, self.epoch, self.start, self.shuffle = seed, epoch, start, shuffle
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self):
+        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        for begin in range(self.start, self.num_samples, self.global_batch_size):
+            yield order[begin:begin + self.global_batch_size][self.rank::self.world_size].tolist()
+
+    def __len__(self) -> int:
+        return math.ceil((self.num_samples - self.start) / self.global_batch_size)
