@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        load_recipe(config)  # fail on a bad recipe before a Prefect server is even started
         result = train(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

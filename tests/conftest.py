@@ -1,0 +1,56 @@
+"""Shared fixtures: an isolated Prefect home, one Prefect test harness per session, config factories."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Nothing a test does may touch the user's Prefect profile or read their TRAIN_* settings.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_LEVEL"] = os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING")
+for _key in [k for k in os.environ if k.startswith("TRAIN_")]:
+    del os.environ[_key]
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test server for the whole session (it takes 10-12 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state():
+    """Each test starts without the in-memory state a previous test's unit left behind."""
+    from training.loop import forget_warm_state
+
+    forget_warm_state()
+    yield
+    forget_warm_state()
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """TrainConfig for the small synthetic recipe, in a fresh local save folder."""
+    from training.config import TrainConfig
+
+    def make(**overrides):
+        values = dict(run_name="r", save_folder=str(tmp_path / "runs"), recipe="recipes.synthetic:SyntheticRecipe",
+                      recipe_args={"num_samples": 256}, max_duration="3ep", save_interval="1ep",
+                      global_batch_size=32, seed=7, unit_retries=2, retry_delay_seconds=0)
+        values.update(overrides)
+        return TrainConfig(**values)
+
+    return make

@@ -1,0 +1,135 @@
+"""The spine, end to end through Prefect: units, retries that resume, reruns, warm starts, retention."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore
+from flows.train import train
+from tests import recipes_for_tests
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def final_weights(config) -> dict[str, torch.Tensor]:
+    store = CheckpointStore(config.save_folder, config.run_name)
+    return store.load(store.latest(), files=["state.pt"]).objects["state.pt"]["state"]["model"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_retried_unit_resumes_from_previous_checkpoint_and_matches_uninterrupted_run(make_config, tmp_path):
+    clean = make_config(run_name="clean")
+    faulty = make_config(run_name="faulty", inject_fault_at_step=12)  # inside unit 1 (8 steps per epoch)
+
+    a, b = train(clean), train(faulty)
+
+    assert (a.epoch, a.step, a.samples_seen) == (b.epoch, b.step, b.samples_seen) == (3, 24, 768)
+    assert [u.unit for u in b.units] == [0, 1, 2]
+    assert b.units[1].resumed_from == f"checkpoint {b.units[0].checkpoint_name}"  # downloaded, not in memory
+    assert len(CheckpointStore(faulty.save_folder, "faulty").list()) == 3
+    assert_same_weights(final_weights(clean), final_weights(faulty))
+    assert a.metrics == b.metrics
+
+
+def test_rerun_after_completion_trains_nothing_and_returns_same_result(make_config):
+    config = make_config()
+    first = train(config)
+    again = train(config)
+
+    assert again.units == []
+    assert again.started_from == f"checkpoint {first.units[-1].checkpoint_name}"
+    assert (again.checkpoint, again.epoch, again.step, again.samples_seen, again.metrics) == (
+        first.checkpoint, first.epoch, first.step, first.samples_seen, first.metrics)
+
+
+def test_larger_max_duration_continues_from_last_checkpoint(make_config):
+    short = train(make_config(max_duration="2ep"))
+    longer = train(make_config(max_duration="4ep"))
+    reference = make_config(run_name="ref", max_duration="4ep")
+    train(reference)
+
+    assert [u.unit for u in longer.units] == [2, 3]
+    assert longer.units[0].resumed_from.startswith(f"checkpoint {short.units[-1].checkpoint_name}")
+    assert (longer.epoch, longer.samples_seen) == (4, 4 * 256)
+    assert_same_weights(final_weights(make_config(max_duration="4ep")), final_weights(reference))
+
+
+def test_load_path_with_weights_only_warm_starts_a_new_run(make_config):
+    source = make_config(run_name="source")
+    done = train(source)
+    # lr=0 leaves the weights untouched, so the new run's weights must be exactly the loaded ones.
+    tuned = make_config(run_name="tuned", max_duration="1ep", load_path=done.checkpoint, load_weights_only=True,
+                        recipe_args={"num_samples": 256, "lr": 0.0})
+    result = train(tuned)
+
+    assert result.units[0].resumed_from == f"weights of {done.checkpoint} (load_path)"
+    assert (result.epoch, result.step, result.samples_seen) == (1, 8, 256)  # progress starts anew
+    assert_same_weights(final_weights(tuned), final_weights(source))
+
+
+def test_retention_keeps_exactly_num_checkpoints_to_keep_including_latest(make_config):
+    config = make_config(max_duration="5ep", num_checkpoints_to_keep=2)
+    result = train(config)
+    store = CheckpointStore(config.save_folder, config.run_name)
+
+    names = [i.name for i in store.list()]
+    assert names == [u.checkpoint_name for u in result.units[-2:]]
+    assert store.read_pointer()["name"] == result.units[-1].checkpoint_name
+
+
+def test_failed_attempt_state_is_freed_before_the_retry(make_config):
+    recipes_for_tests.BUILT_MODELS.clear()
+    config = make_config(recipe="tests.recipes_for_tests:TrackingRecipe", max_duration="2ep",
+                         inject_fault_at_step=12)
+    train(config)
+    gc.collect()
+    # Unit 0 built a model and kept it in memory; unit 1's first attempt reused it and failed. The retry
+    # must build a fresh model (not reuse the failed attempt's) and the failed one must be freed.
+    assert len(recipes_for_tests.BUILT_MODELS) == 2
+    failed_attempt_model, retry_model = recipes_for_tests.BUILT_MODELS
+    assert failed_attempt_model() is None
+    assert retry_model() is not None  # still held as the clean in-memory state of the last checkpoint
+
+
+def test_autoresume_false_refuses_an_existing_run_and_keeps_it(make_config):
+    from training.config import ConfigError
+
+    first = train(make_config(max_duration="1ep"))
+    with pytest.raises(ConfigError, match="autoresume=False"):
+        train(make_config(max_duration="2ep", autoresume=False))
+    store = CheckpointStore(make_config().save_folder, "r")
+    assert [i.name for i in store.list()] == [first.units[0].checkpoint_name]
+
+
+def run_cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.train", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--save_interval", "3x"], "save_interval='3x': use '<n>ep' (epochs) or '<n>ba' (batches)"),
+    (["--max_duration", "0ep"], "max_duration='0ep'"),
+    (["--run_name", "../escape"], "run_name='../escape'"),
+    (["--num_checkpoints_to_keep", "0"], "num_checkpoints_to_keep=0: use -1 (keep all) or a count >= 1"),
+    (["--recipe", "no.such.module:Recipe"], "recipe='no.such.module:Recipe': cannot import"),
+    (["--recipe_args", '{"bogus": 1}'], "recipe_args={'bogus': 1}: DigitsRecipe rejected them"),
+    (["--global_batch_size", "0"], "global_batch_size"),
+])
+def test_bad_config_fails_with_one_clear_error_and_writes_nothing(tmp_path, args, message):
+    folder = tmp_path / "runs"
+    proc = run_cli("--save_folder", str(folder), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not folder.exists()
