@@ -31,6 +31,17 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="session")
+def prefect_env(prefect_harness) -> dict[str, str]:
+    """Environment for a child process that should use this session's Prefect server (no startup cost)."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
+    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_HOME=_PREFECT_HOME,
+               PYTHONPATH=str(ROOT), PREFECT_LOGGING_LEVEL="INFO")
+    return env
+
+
 @pytest.fixture(autouse=True)
 def _fresh_process_state():
     """Each test starts without the in-memory state a previous test's unit left behind."""

@@ -108,6 +108,9 @@ class TrainConfig(BaseSettings):
         description="fsspec options for save_folder, e.g. {\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}. "
                     "Put credentials in the standard AWS variables or profile; these options are never logged "
                     "and never sent to the Prefect API as a parameter.")
+    async_upload: bool | None = Field(
+        None, description="Upload checkpoints in the background while the next unit trains. Default: on for "
+                          "remote stores (s3://, ...), off for local folders and memory://.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train: auto picks CUDA when present.")
     unit_retries: int = Field(2, ge=0, description="Prefect retries of a failed unit (each one resumes).")

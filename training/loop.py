@@ -19,9 +19,11 @@ import torch
 from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
-from checkpointing import CheckpointStore, LoadedCheckpoint, Writer, open_checkpoint_uri
+from checkpointing import CheckpointInfo, CheckpointStore, LoadedCheckpoint, Manifest, Writer, open_checkpoint_uri
+from checkpointing.manifest import FileEntry
 from checkpointing.storage import RetrySettings
-from checkpointing.store import STATE_FILE
+from checkpointing.store import STATE_FILE, serialize
+from checkpointing.uploader import BackgroundCommitter, commit_and_prune
 from training import rng
 from training.config import ConfigError, TrainConfig
 from training.progress import Progress, ends_unit, is_complete, rescaled, unit_index
@@ -65,6 +67,7 @@ class _Session:
 
 
 _warm: _Session | None = None
+_uploader = BackgroundCommitter()
 
 
 def open_store(config: TrainConfig) -> CheckpointStore:
@@ -87,26 +90,27 @@ def run_unit(config: TrainConfig, *, start_checkpoint: str | None = None, attemp
     store = open_store(config)
     session, origin = _take_warm(config, store, start_checkpoint)
     if session is None:
+        _uploader.wait_quietly()  # a cold resume must see what the previous unit committed
         session, origin = _restore(config, store, start_checkpoint, log)
     unit = unit_index(session.progress, config.interval)
     log.info("unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
              unit, attempt, origin, session.progress.epoch, session.progress.step, session.progress.samples_seen)
     try:
         metrics = _train(config, session, unit, attempt, log)
-        t0 = time.perf_counter()
         info = _save(config, store, session, metrics, generation)
-        metrics["checkpoint_seconds"] = time.perf_counter() - t0
-        if config.num_checkpoints_to_keep > 0:
-            store.prune(config.num_checkpoints_to_keep)
+        if is_complete(session.progress, config.duration):
+            _uploader.wait()  # the run is done only when its last checkpoint is committed
     except BaseException:
         _release(session)  # a failed attempt's state must not leak into the retry
         raise
     session.key = _warm_key(config, store, info.name)
     _warm = session
     p = session.progress
-    log.info("unit %d done: loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) written in %.2fs; "
+    how = "handed to the background upload after" if info.manifest.files and not next(
+        iter(info.manifest.files.values())).sha256 else "committed in"
+    log.info("unit %d done: loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; "
              "epoch %d, step %d, %d samples seen", unit, metrics["loss"], metrics["samples_per_second"],
-             info.name, info.size_bytes / 1e6, metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen)
+             info.name, info.size_bytes / 1e6, how, metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen)
     return UnitResult(unit=unit, checkpoint=info.uri, checkpoint_name=info.name, progress=p.as_dict(),
                       complete=is_complete(p, config.duration), resumed_from=origin, metrics=metrics,
                       num_train_samples=len(session.dataset))
@@ -129,7 +133,11 @@ def _take_warm(config: TrainConfig, store: CheckpointStore, start_checkpoint: st
     session, _warm = _warm, None
     if session is None:
         return None, ""
-    latest = store.latest()
+    in_flight = _uploader.pending_store_uri == store.uri and _uploader.pending_name
+    latest = (store.latest() or None) if not in_flight else None
+    if in_flight and session.key == _warm_key(config, store, in_flight):
+        rng.restore(session.rng_state)
+        return session, f"checkpoint {in_flight} (in memory; its upload is in flight)"
     skip_applies = latest is not None and latest.name == start_checkpoint and (
         config.ignore_data_skip or config.data_skip_steps is not None)
     if latest is not None and not skip_applies and session.key == _warm_key(config, store, latest.name):
@@ -257,7 +265,7 @@ def _loader(config: TrainConfig, s: _Session, epoch_size: int) -> DataLoader:
     generator = torch.Generator().manual_seed(hash((config.seed, p.epoch, p.sample_in_epoch)) % (2**63))
     return DataLoader(s.dataset, batch_sampler=sampler, num_workers=config.num_workers, generator=generator,
                       collate_fn=getattr(s.recipe, "collate_fn", None), pin_memory=s.device.type == "cuda",
-                      persistent_workers=False)
+                      persistent_workers=False, multiprocessing_context="forkserver" if config.num_workers else None)
 
 
 def _step(s: _Session, batch: Any) -> float:
@@ -292,8 +300,26 @@ def _save(config: TrainConfig, store: CheckpointStore, s: _Session, metrics: dic
                 "global_batch_size": config.global_batch_size, "world_size": 1, "seed": config.seed,
                 "metrics": {k: float(v) for k, v in metrics.items()}}
     name = f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}"
-    return store.save(name, {STATE_FILE: state, RNG_FILE: s.rng_state}, progress=p.as_dict(),
-                      metadata=metadata, writer=Writer.current(generation))
+    t0 = time.perf_counter()
+    blobs = serialize({STATE_FILE: state, RNG_FILE: s.rng_state})
+    args = dict(progress=p.as_dict(), metadata=metadata, writer=Writer.current(generation),
+                keep=config.num_checkpoints_to_keep)
+    if use_async_upload(config, store):
+        _uploader.submit(store, name, blobs, **args)  # waits for the previous upload first
+        # Provisional: sizes only. The committer hashes the bytes off the training thread.
+        manifest = Manifest(name=name, files={f: FileEntry(len(b), "") for f, b in blobs.items()}, progress=p.as_dict(),
+                            metadata=metadata, writer=args["writer"])
+        info = CheckpointInfo(name=name, uri=store.storage.uri(f"checkpoints/{name}"), manifest=manifest)
+    else:
+        info = commit_and_prune(store, name, blobs, **args)
+    metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
+    return info
+
+
+def use_async_upload(config: TrainConfig, store: CheckpointStore) -> bool:
+    if config.async_upload is not None:
+        return config.async_upload
+    return not (store.storage.is_local or store.storage.protocol == "memory")
 
 
 def _release(session: _Session) -> None:
