@@ -1,0 +1,116 @@
+"""A real process, really SIGKILLed, relaunched with the same command: it ends bit-identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+# ~19 MB of state per checkpoint, so that writing one takes long enough to be killed in the middle.
+RECIPE_ARGS = {"num_samples": 256, "hidden": 1536, "num_layers": 3}
+
+
+def command(folder: Path) -> list[str]:
+    return [sys.executable, "-m", "flows.train", "--run_name", "k", "--save_folder", str(folder),
+            "--recipe", "recipes.synthetic:SyntheticRecipe", "--recipe_args", json.dumps(RECIPE_ARGS),
+            "--max_duration", "16ba", "--save_interval", "2ba", "--global_batch_size", "32", "--seed", "7",
+            "--unit_retries", "0"]
+
+
+def launch(folder: Path, env: dict, log_name: str) -> subprocess.Popen:
+    log = open(folder.parent / f"{log_name}.log", "w")
+    return subprocess.Popen(command(folder), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_to_completion(folder: Path, env: dict, log_name: str) -> None:
+    proc = launch(folder, env, log_name)
+    assert proc.wait(timeout=300) == 0, (folder.parent / f"{log_name}.log").read_text()[-3000:]
+
+
+def final_state(folder: Path) -> dict:
+    store = CheckpointStore(str(folder), "k")
+    return store.load(store.latest(), files=["state.pt"]).objects["state.pt"]["state"]
+
+
+def pointer_step(folder: Path) -> int:
+    try:
+        name = json.loads((folder / "k" / "latest").read_text())["name"]
+    except (FileNotFoundError, ValueError):
+        return -1
+    return int(name.split("-ba")[1].split("-")[0])
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        assert proc.poll() is None, "the run ended before the kill point"
+        time.sleep(0.0005)
+    raise AssertionError("kill point not reached")
+
+
+def torn_checkpoint(folder: Path):
+    """A checkpoint folder whose state file exists but whose manifest does not yet: a write in progress."""
+    root = folder / "k" / "checkpoints"
+    if not root.exists():
+        return None
+    for d in root.iterdir():
+        if d.name.endswith("ba6-sa192") and (d / "state.pt").exists() and not (d / "manifest.json").exists():
+            return d
+    return None
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prefect_env):
+    folder = tmp_path_factory.mktemp("reference") / "runs"
+    run_to_completion(folder, prefect_env, "reference")
+    return final_state(folder)
+
+
+def assert_equal_state(a: dict, b: dict) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for i, s in a["optimizer"]["state"].items():
+        assert torch.equal(s["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"]), i
+    assert a["scheduler"] == b["scheduler"]
+
+
+def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one_bit_identically(tmp_path, prefect_env, reference):
+    folder = tmp_path / "runs"
+    proc = launch(folder, prefect_env, "killed")
+    torn = wait_for(lambda: torn_checkpoint(folder), proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    assert not (torn / "manifest.json").exists()  # the kill landed between the files and the manifest
+    assert CheckpointStore(str(folder), "k").latest().name == "ep0-ba4-sa128"
+    run_to_completion(folder, prefect_env, "relaunched")
+    assert_equal_state(final_state(folder), reference)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_kill_at_a_random_moment_then_relaunch_ends_bit_identical(tmp_path, prefect_env, reference, seed):
+    folder = tmp_path / "runs"
+    proc = launch(folder, prefect_env, "killed")
+    wait_for(lambda: pointer_step(folder) >= 4, proc)
+    time.sleep(random.Random(seed).uniform(0.0, 0.3))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    assert pointer_step(folder) < 16, "killed too late to test anything"
+    run_to_completion(folder, prefect_env, "relaunched")
+    assert_equal_state(final_state(folder), reference)
