@@ -18,7 +18,8 @@ from pydantic_settings import SettingsError
 from checkpointing import CheckpointError, NotACheckpointError, open_checkpoint_uri
 from tasks import evaluate, unit_task
 from training.config import ConfigError, TrainConfig, describe_error, load_config
-from training.loop import UnitResult, open_store
+from training.loop import UnitResult
+from training.session import open_store
 from training.progress import Progress, is_complete, rescaled, unit_index
 from training.recipe import load_recipe
 

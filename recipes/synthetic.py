@@ -1,7 +1,7 @@
 """A synthetic classification task whose model and dataset sizes are arguments (tests, benchmarks).
 
 Samples are a pure function of (seed, sample id), so any process can build the same dataset. With
-``record_dir`` set, every sample id trained on is appended to ``<record_dir>/ids-rank<r>.txt``: the
+``record_dir`` set, every sample id trained on (as the product reports it) is appended to ``<record_dir>/ids-rank<r>.txt``: the
 sample-accounting tests read it to prove nothing was repeated or dropped.
 """
 
@@ -61,16 +61,19 @@ class SyntheticRecipe:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        if self.record_dir:
-            self._record(batch["id"])
         return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    def on_train_batch(self, sample_ids: list[int]) -> None:
+        """Called by the product with the ids of each batch this process trains on."""
+        if self.record_dir:
+            self._record(sample_ids)
 
     def evaluate(self, model: nn.Module, batch) -> dict[str, float]:
         logits = model(batch["x"])
         return {"loss": float(F.cross_entropy(logits, batch["y"])),
                 "accuracy": float((logits.argmax(1) == batch["y"]).float().mean())}
 
-    def _record(self, ids: torch.Tensor) -> None:
+    def _record(self, ids: list[int]) -> None:
         rank = int(os.environ.get("RANK", "0"))
         os.makedirs(self.record_dir, exist_ok=True)
         with open(os.path.join(self.record_dir, f"ids-rank{rank}.txt"), "a") as f:

@@ -14,6 +14,7 @@ from prefect.tasks import exponential_backoff
 
 from checkpointing import FencedError, NotACheckpointError, UnsafeCheckpointError
 from training.config import ConfigError, TrainConfig
+from training.distributed import launch_unit
 from training.evaluation import evaluate_checkpoint
 from training.loop import UnitResult, run_unit
 
@@ -30,6 +31,9 @@ def retry_unless_permanent(task, task_run, state) -> bool:
       retry_condition_fn=retry_unless_permanent, retry_jitter_factor=0.5)
 def train_unit(config: TrainConfig, unit: int, start_checkpoint: str | None = None, generation: int = 0) -> UnitResult:
     """Train unit ``unit`` of the run, resuming from its latest good checkpoint."""
+    if config.nproc_per_node > 1 or config.nnodes > 1:
+        return launch_unit(config, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
+                           generation=generation, log=get_run_logger())
     return run_unit(config, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
                     generation=generation, log=get_run_logger())
 

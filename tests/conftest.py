@@ -45,7 +45,7 @@ def prefect_env(prefect_harness) -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def _fresh_process_state():
     """Each test starts without the in-memory state a previous test's unit left behind."""
-    from training.loop import forget_warm_state
+    from training.session import forget_warm_state
 
     forget_warm_state()
     yield

@@ -111,6 +111,12 @@ class TrainConfig(BaseSettings):
     async_upload: bool | None = Field(
         None, description="Upload checkpoints in the background while the next unit trains. Default: on for "
                           "remote stores (s3://, ...), off for local folders and memory://.")
+    nproc_per_node: int = Field(
+        1, ge=1, description="Processes per machine for each unit. Above 1, each unit runs under torchrun with "
+                             "DDP (gloo on CPU, nccl on CUDA).")
+    nnodes: int = Field(1, ge=1, description="Machines that train each unit together (torchrun --nnodes).")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the torchrun rendezvous when nnodes > 1 (the same on every machine).")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train: auto picks CUDA when present.")
     unit_retries: int = Field(2, ge=0, description="Prefect retries of a failed unit (each one resumes).")
@@ -134,6 +140,9 @@ class TrainConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint: set it to host:port of a machine all "
+                             f"nodes can reach (torchrun's c10d rendezvous)")
         if self.load_weights_only and not self.load_path:
             raise ValueError("load_weights_only=True needs load_path: set load_path to a checkpoint or run URI")
         return self

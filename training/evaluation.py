@@ -8,7 +8,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from checkpointing.store import STATE_FILE
-from training import loop
+from training import session as sessions
+from training.loop import to_device
 from training.config import TrainConfig
 from training.recipe import load_recipe
 
@@ -17,12 +18,12 @@ logger = logging.getLogger(__name__)
 
 def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str) -> dict[str, float]:
     """Metrics of ``checkpoint_name``; reuses the in-memory model when it is that checkpoint."""
-    warm = loop._warm
-    store = loop.open_store(config)
-    if warm is not None and warm.key == loop._warm_key(config, store, checkpoint_name):
+    store = sessions.open_store(config)
+    warm = sessions.warm_session(config, store, checkpoint_name)
+    if warm is not None:
         recipe, model, device = warm.recipe, warm.model, warm.device
     else:
-        recipe, device = load_recipe(config), loop.pick_device(config)
+        recipe, device = load_recipe(config), sessions.pick_device(config)
         model = recipe.build_model().to(device)
         state = store.load(checkpoint_name, files=[STATE_FILE]).objects[STATE_FILE]
         model.load_state_dict(state["state"]["model"])
@@ -42,7 +43,7 @@ def _run(recipe, model: torch.nn.Module, device: torch.device, batch_size: int) 
         with torch.no_grad():
             for batch in loader:
                 n = _batch_len(batch)
-                for k, v in recipe.evaluate(model, loop.to_device(batch, device)).items():
+                for k, v in recipe.evaluate(model, to_device(batch, device)).items():
                     totals[k] = totals.get(k, 0.0) + float(v) * n
                 count += n
     finally:

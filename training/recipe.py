@@ -10,7 +10,11 @@ A recipe is any class with::
     loss(model, batch) -> scalar Tensor
     eval_dataset() -> Dataset                                (optional)
     evaluate(model, batch) -> dict[str, float]               (optional; averaged over samples)
+    on_train_batch(sample_ids: list[int])                    (optional; the ids this process trains on next)
     collate_fn                                               (optional attribute for the DataLoader)
+
+``loss`` returns the mean over its batch: with several processes, each one's loss is weighted by its
+share of the global batch so that the averaged gradient is the global batch's mean.
 
 The product owns the sampler and the DataLoader, and so the data position.
 """

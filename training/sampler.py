@@ -34,10 +34,25 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.seed, self.epoch, self.start, self.shuffle = seed, epoch, start, shuffle
         self.rank, self.world_size = rank, world_size
 
-    def __iter__(self):
+    def shares(self):
+        """(this rank's sample ids, size of the global batch) per step. A rank's share is empty when the
+        epoch's short last batch has fewer samples than there are ranks."""
         order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
         for begin in range(self.start, self.num_samples, self.global_batch_size):
-            yield order[begin:begin + self.global_batch_size][self.rank::self.world_size].tolist()
+            batch = order[begin:begin + self.global_batch_size]
+            yield batch[self.rank::self.world_size].tolist(), len(batch)
+
+    def __iter__(self):
+        """What the DataLoader loads. An empty share loads one sample of the batch for a zero-weight step,
+        so that every rank takes part in every gradient all-reduce."""
+        order_first = None
+        for ids, _ in self.shares():
+            if ids:
+                yield ids
+            else:
+                if order_first is None:
+                    order_first = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+                yield [int(order_first[self.num_samples - 1])]
 
     def __len__(self) -> int:
         return math.ceil((self.num_samples - self.start) / self.global_batch_size)

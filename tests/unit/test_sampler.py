@@ -21,8 +21,9 @@ def consume(num_samples: int, segments: list[tuple[int, int]], seed: int = 3, wo
             for ids in sampler:
                 shares = [ResumableBatchSampler(num_samples, gbs, seed=seed, epoch=p.epoch, start=p.sample_in_epoch,
                                                 rank=r, world_size=world_size) for r in range(world_size)]
-                first = [next(iter(s)) for s in shares]
-                assert sorted(sum(first, [])) == sorted(ids)  # ranks split the global batch, nothing more
+                first = [next(s.shares()) for s in shares]
+                assert sorted(sum((share for share, _ in first), [])) == sorted(ids)  # ranks split the batch
+                assert all(size == len(ids) for _, size in first)
                 seen += ids
                 p.advance(len(ids), num_samples)
                 steps -= 1
@@ -75,3 +76,11 @@ def test_unit_boundaries_follow_save_interval_and_max_duration():
     assert not ends_unit(p, Duration(3, "ba"), Duration(3, "ep"), epoch_ended=False)
     assert ends_unit(p, Duration(1, "ep"), Duration(4, "ba"), epoch_ended=False)  # end of training
     assert not ends_unit(p, Duration(1, "ep"), Duration(9, "ba"), epoch_ended=False)
+
+
+def test_a_rank_with_no_sample_in_the_short_last_batch_loads_a_stand_in_but_reports_none():
+    # 65 samples, batches of 32 over 2 ranks: the last batch has one sample, so rank 1's share is empty.
+    rank1 = ResumableBatchSampler(65, 32, seed=0, epoch=0, rank=1, world_size=2)
+    shares, loaded = list(rank1.shares()), list(rank1)
+    assert shares[-1] == ([], 1)
+    assert len(loaded) == len(shares) == 3 and len(loaded[-1]) == 1  # still takes part in the step
