@@ -1,0 +1,101 @@
+"""Real torchrun, real gloo, real SIGKILL of a rank: world-size changes stay sample-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpointing import CheckpointStore
+from flows.train import train
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
+
+
+def steps_by_rank(folder: Path, world_size: int) -> list[set[int]]:
+    """Per global step, the ids all ranks trained on (line i of every rank's record is step i)."""
+    ranks = [(folder / f"ids-rank{r}.txt").read_text().split("\n")[:-1] for r in range(world_size)]
+    assert len({len(lines) for lines in ranks}) == 1, "ranks took different numbers of steps"
+    return [set().union(*({int(i) for i in lines[s].split()} for lines in ranks)) for s in range(len(ranks[0]))]
+
+
+def test_two_gloo_processes_complete_the_run_with_the_expected_counters(make_config):
+    config = make_config(nproc_per_node=2, max_duration="2ep", recipe_args={"num_samples": 250})
+    result = train(config)
+
+    assert (result.epoch, result.step, result.samples_seen) == (2, 16, 500)
+    assert all(u.world_size == 2 for u in result.units)
+    latest = CheckpointStore(config.save_folder, config.run_name).latest()
+    assert latest.manifest.metadata["world_size"] == 2
+    assert {"rng-rank0.pt", "rng-rank1.pt", "state.pt"} <= set(latest.manifest.files)
+
+
+def test_two_then_one_then_two_processes_see_every_sample_once_per_epoch(make_config, tmp_path):
+    n, record = 225, tmp_path / "ids"  # 225 = 7 x 32 + 1: an epoch ends with a one-sample batch
+    args = {"num_samples": n, "record_dir": str(record)}
+    plan = [(2, 32, "5ba", "5ba"),    # 160 samples on 2 ranks, stop mid-epoch
+            (1, 16, "14ba", "2ba"),   # same per-rank batch on 1 rank: resumes at step 160 // 16 = 10
+            (2, 32, "2ep", "1ep")]    # back to 2 ranks: resumes at step 224 // 32 = 7, then a 1-sample batch
+    global_steps = []
+    for segment, (nproc, gbs, duration, interval) in enumerate(plan):
+        train(make_config(nproc_per_node=nproc, global_batch_size=gbs, max_duration=duration,
+                          save_interval=interval, recipe_args=args))
+        global_steps += steps_by_rank(record, nproc)
+        for f in record.glob("ids-rank*.txt"):
+            f.rename(record / f"segment{segment}-{f.name}")
+
+    seen = [i for step in global_steps for i in sorted(step)]
+    assert len(seen) == 2 * n
+    assert set(seen[:n]) == set(seen[n:]) == set(range(n))
+
+
+def rank_processes(rank: int) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"training.distributed" in cmdline and b"torch.distributed.run" not in cmdline and \
+                (rank is None or f"RANK={rank}".encode() in environ):
+            pids.append(int(pid))
+    return pids
+
+
+def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_config, tmp_path):
+    record = tmp_path / "ids"
+    config = make_config(nproc_per_node=2, max_duration="3ep", global_batch_size=16,
+                         recipe_args={"num_samples": 4000, "hidden": 256, "record_dir": str(record)})
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=train(config)))
+    runner.start()
+
+    pointer = Path(config.save_folder, config.run_name, "latest")
+    deadline = time.monotonic() + 240
+    while not (pointer.exists() and (record / "ids-rank1.txt").exists()
+               and len((record / "ids-rank1.txt").read_text().split("\n")) > 250 + 20):  # into unit 1
+        assert time.monotonic() < deadline and runner.is_alive(), "unit 1 never started"
+        time.sleep(0.05)
+    victims = rank_processes(rank=1)
+    assert len(victims) == 1
+    os.kill(victims[0], signal.SIGKILL)
+    runner.join(timeout=300)
+
+    result = outcome["result"]
+    assert (result.epoch, result.samples_seen) == (3, 12000)
+    first = json.loads(pointer.read_text())["name"]
+    assert [u.unit for u in result.units] == [0, 1, 2]
+    assert result.units[1].resumed_from == f"checkpoint {result.units[0].checkpoint_name}"
+    assert first == result.units[-1].checkpoint_name
+    assert rank_processes(rank=None) == []  # no orphan ranks left behind
+    # The killed attempt trained part of unit 1; the retry trained all of unit 1 again from its checkpoint.
+    lines = (record / "ids-rank1.txt").read_text().split("\n")[:-1]
+    assert len(lines) > 3 * 250
+    retry_start = len(lines) - 2 * 250  # units 1 and 2 of the retry: 250 steps each
+    assert lines[retry_start] == lines[250], "the retry did not restart unit 1 at the checkpoint's position"
