@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 # folder: it is cleared so that each `make demo` shows a whole run.
 demo: install
 	rm -rf runs/demo
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m flows.train --run_name demo --inject_fault_at_step 20
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m flows.train --run_name demo --inject_fault_at_step 30
 
 test: install
 	$(PY) -m pytest -q
