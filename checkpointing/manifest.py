@@ -59,8 +59,11 @@ class Manifest:
 
     @property
     def order(self) -> tuple[int, int, float]:
-        """Sort key, oldest first: training progress, then generation, then wall time."""
-        return (int(self.progress.get("samples_seen", 0)), self.writer.generation, self.created_at)
+        """Sort key, oldest first: writer generation, then training progress, then wall time.
+
+        Generation first: a newer writer's lineage supersedes a stale writer's, even one that got further
+        (or after falling back past a corrupt checkpoint)."""
+        return (self.writer.generation, int(self.progress.get("samples_seen", 0)), self.created_at)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()

@@ -105,6 +105,34 @@ class Storage:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         self._call(f"put {key}", lambda: self.fs.pipe_file(path, data))
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Writes ``key`` only if it does not exist yet (atomically); False if it already did.
+
+        Local files use O_EXCL; object stores a conditional put (S3: If-None-Match: *)."""
+        path = self.path(key)
+        if self.is_local:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+
+            def create_local() -> bool:
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                return True
+
+            return self._call(f"create {key}", create_local)
+
+        def create_remote() -> bool:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+        return self._call(f"create {key}", create_remote)
+
     def get(self, key: str) -> bytes:
         return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.pt"
 POINTER = "latest"
 CHECKPOINTS = "checkpoints"
+CLAIMS = "claims"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -270,11 +271,28 @@ class CheckpointStore:
                 continue
             yield info
 
+    def claim_generation(self, label: str = "") -> int:
+        """Claims a writer generation higher than any claimed before, with an exclusive create.
+
+        Each run of the flow (a restart too) claims one. Commits refuse to go on once a higher
+        generation has been claimed, so of two processes advancing one run, the older one stops."""
+        generation = max(self._newest_claim(), (self.read_pointer() or {}).get("generation", 0)) + 1
+        for _ in range(100):
+            body = json.dumps({"generation": generation, "label": label, **Writer.current().__dict__}).encode()
+            if self.storage.create(f"{CLAIMS}/{generation:012d}", body):
+                return generation
+            generation += 1
+        raise FencedError(f"{self.uri}: could not claim a writer generation (100 concurrent claims?)")
+
+    def _newest_claim(self) -> int:
+        names = self.storage.sizes(CLAIMS) if self.storage.exists(CLAIMS) else {}
+        return max((int(n) for n in names if n.isdigit()), default=0)
+
     def _check_fence(self, writer: Writer) -> None:
-        pointer = self.read_pointer()
-        if pointer is not None and pointer["generation"] > writer.generation:
-            raise FencedError(f"{self.uri}: generation {pointer['generation']} has written this run; "
-                              f"this writer (generation {writer.generation}) is stale and must stop")
+        newest = max(self._newest_claim(), (self.read_pointer() or {}).get("generation", 0))
+        if newest > writer.generation:
+            raise FencedError(f"{self.uri}: writer generation {newest} has claimed this run; this writer "
+                              f"(generation {writer.generation}) is stale and stops without writing")
 
 
 def serialize(objects: dict[str, Any]) -> dict[str, bytes]:

@@ -52,8 +52,9 @@ def train(config: TrainConfig) -> TrainResult:
                           f"{store.uri}; set autoresume=True to continue it, or choose a new run_name")
     if start is None and config.load_path:
         _check_load_path(config)
-    pointer = store.read_pointer()
-    generation = (pointer["generation"] if pointer else 0) + 1
+    # Claimed before resolving where to start: an older writer's commits after this point are refused.
+    generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run.run_count})")
+    start = store.latest()
     progress = rescaled(Progress.from_dict(start.progress), config.global_batch_size) if start else Progress()
     log.info("run %s in %s: %s; %s to train", config.run_name, store.uri,
              f"resuming from checkpoint {start.name}" if start else "no checkpoint yet",
