@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if use_nccl:
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if use_nccl else "gloo")
+    if world.rank == 0:
+        logger.info("%d process(es) joined a %s process group", world.size, dist.get_backend())
     try:
         result = run_unit(config, start_checkpoint=args.start_checkpoint, attempt=args.attempt,
                           generation=args.generation, world=world, log=logger)
