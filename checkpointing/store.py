@@ -210,16 +210,21 @@ class CheckpointStore:
             self._in_flight.discard(name)
         return CheckpointInfo(name=name, uri=self.storage.uri(prefix), manifest=manifest)
 
-    def prune(self, keep: int) -> list[str]:
-        """Deletes all but the ``keep`` newest checkpoints; never the one ``latest`` names or one in flight."""
+    def prune(self, keep: int, score_attribute: str | None = None, score_order: str = "max") -> list[str]:
+        """Deletes all but ``keep`` checkpoints; never the one ``latest`` names or one in flight.
+
+        Keeps the newest, or with ``score_attribute`` the best by that metric of the manifest's
+        ``metadata["metrics"]`` (``score_order`` "max" or "min"; checkpoints without it rank last)."""
         if keep < 0:
             return []
         pointer = self.read_pointer()
         protected = set(self._in_flight) | ({pointer["name"]} if pointer else set())
-        newest_first = list(reversed(self.list()))
-        kept = [i.name for i in newest_first if i.name in protected]
+        ranked = list(reversed(self.list()))  # newest first
+        if score_attribute:
+            ranked.sort(key=lambda i: _score(i, score_attribute, score_order))  # stable: ties stay newest first
+        kept = [i.name for i in ranked if i.name in protected]
         deleted = []
-        for info in newest_first:
+        for info in ranked:
             if info.name in protected:
                 continue
             if len(kept) < keep:
@@ -293,6 +298,14 @@ class CheckpointStore:
         if newest > writer.generation:
             raise FencedError(f"{self.uri}: writer generation {newest} has claimed this run; this writer "
                               f"(generation {writer.generation}) is stale and stops without writing")
+
+
+def _score(info: CheckpointInfo, attribute: str, order: str) -> tuple[int, float]:
+    """Sort key, best first."""
+    value = info.manifest.metadata.get("metrics", {}).get(attribute)
+    if value is None:
+        return (1, 0.0)
+    return (0, -float(value) if order == "max" else float(value))
 
 
 def serialize(objects: dict[str, Any]) -> dict[str, bytes]:

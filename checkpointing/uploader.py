@@ -31,12 +31,12 @@ class BackgroundCommitter:
         self.pending_store_uri: str | None = None
 
     def submit(self, store: CheckpointStore, name: str, blobs: dict[str, bytes], *, progress: dict[str, int],
-               metadata: dict[str, Any], writer: Writer, keep: int = -1) -> None:
+               metadata: dict[str, Any], writer: Writer, keep: int = -1, score: tuple[str, str] | None = None) -> None:
         """Starts committing ``blobs``; first waits for (and re-raises the failure of) the previous one."""
         self.wait()
         with self._lock:
             self.pending_name, self.pending_store_uri = name, store.uri
-            self._pending = self._pool.submit(self._commit, store, name, blobs, progress, metadata, writer, keep)
+            self._pending = self._pool.submit(self._commit, store, name, blobs, progress, metadata, writer, keep, score)
 
     def wait(self) -> CheckpointInfo | None:
         """Blocks until the commit in flight (if any) is done; re-raises its error."""
@@ -60,18 +60,22 @@ class BackgroundCommitter:
 
     @staticmethod
     def _commit(store: CheckpointStore, name: str, blobs: dict[str, bytes], progress, metadata, writer,
-                keep: int) -> CheckpointInfo:
+                keep: int, score: tuple[str, str] | None) -> CheckpointInfo:
         t0 = time.perf_counter()
-        info = commit_and_prune(store, name, blobs, progress=progress, metadata=metadata, writer=writer, keep=keep)
+        info = commit_and_prune(store, name, blobs, progress=progress, metadata=metadata, writer=writer, keep=keep,
+                                score=score)
         log.info("checkpoint %s committed in the background: %.1f MB in %.2fs", name,
                  info.size_bytes / 1e6, time.perf_counter() - t0)
         return info
 
 
 def commit_and_prune(store: CheckpointStore, name: str, blobs: dict[str, bytes], *, progress: dict[str, int],
-                     metadata: dict[str, Any], writer: Writer, keep: int = -1) -> CheckpointInfo:
-    """Commits a checkpoint, then applies retention with the same store (which knows what is in flight)."""
+                     metadata: dict[str, Any], writer: Writer, keep: int = -1,
+                     score: tuple[str, str] | None = None) -> CheckpointInfo:
+    """Commits a checkpoint, then applies retention with the same store (which knows what is in flight).
+    ``score`` is (metric, "max" or "min") for keep-best retention."""
     info = store.commit(name, blobs, progress=progress, metadata=metadata, writer=writer)
     if keep > 0:
-        store.prune(keep)
+        attribute, order = score or (None, "max")
+        store.prune(keep, attribute, order)
     return info

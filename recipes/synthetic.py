@@ -32,12 +32,13 @@ class _Synthetic(Dataset):
 class SyntheticRecipe:
     def __init__(self, num_samples: int = 512, in_features: int = 16, hidden: int = 32, num_layers: int = 2,
                  num_classes: int = 4, lr: float = 0.05, data_seed: int = 1234, eval_samples: int = 128,
-                 record_dir: str | None = None):
+                 dropout: float = 0.1, record_dir: str | None = None):
         if num_samples < 1 or num_layers < 1:
             raise ValueError(f"num_samples={num_samples}, num_layers={num_layers}: both must be >= 1")
         self.num_samples, self.in_features, self.hidden = num_samples, in_features, hidden
         self.num_layers, self.num_classes, self.lr = num_layers, num_classes, lr
         self.data_seed, self.eval_samples, self.record_dir = data_seed, eval_samples, record_dir
+        self.dropout = dropout  # draws from torch's RNG every step: resumes must restore it exactly
 
     def train_dataset(self) -> Dataset:
         return _Synthetic(self.num_samples, self.in_features, self.num_classes, self.data_seed)
@@ -49,7 +50,7 @@ class SyntheticRecipe:
         layers: list[nn.Module] = []
         width = self.in_features
         for _ in range(self.num_layers - 1):
-            layers += [nn.Linear(width, self.hidden), nn.ReLU()]
+            layers += [nn.Linear(width, self.hidden), nn.ReLU(), nn.Dropout(self.dropout)]
             width = self.hidden
         layers.append(nn.Linear(width, self.num_classes))
         return nn.Sequential(*layers)

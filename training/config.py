@@ -103,6 +103,11 @@ class TrainConfig(BaseSettings):
                                 "epoch instead of the saved position (for a changed dataset).")
     num_checkpoints_to_keep: int = Field(
         -1, description="How many checkpoints to keep (-1 keeps all); the one 'latest' names is always kept.")
+    checkpoint_score_attribute: str | None = Field(
+        None, description="With num_checkpoints_to_keep: keep the best checkpoints by this unit metric (e.g. 'loss') "
+                          "instead of the newest; the one 'latest' names is always kept too.")
+    checkpoint_score_order: Literal["max", "min"] = Field(
+        "max", description="Whether a higher ('max') or lower ('min') checkpoint_score_attribute is better.")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, repr=False, exclude=True,
         description="fsspec options for save_folder, e.g. {\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}. "

@@ -256,8 +256,9 @@ def save(config: TrainConfig, store: CheckpointStore, s: Session, metrics: dict[
     objects = {STATE_FILE: state}
     objects.update({rng_file(r): st for r, st in enumerate(rng_states or [s.rng_state])})
     blobs = serialize(objects)
+    score = (config.checkpoint_score_attribute, config.checkpoint_score_order) if config.checkpoint_score_attribute else None
     args = dict(progress=p.as_dict(), metadata=metadata, writer=Writer.current(generation),
-                keep=config.num_checkpoints_to_keep)
+                keep=config.num_checkpoints_to_keep, score=score)
     if use_async_upload(config, store) and s.world.size == 1:
         uploader.submit(store, name, blobs, **args)  # waits for the previous upload first
         # Provisional: sizes only. The committer hashes the bytes off the training thread.
