@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from training.config import TrainConfig
+from training.config import TrainConfig, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--config", "--result", "--start-checkpoint"):
         parser.add_argument(flag)
     parser.add_argument("--attempt", type=int, default=1)
-    parser.add_argument("--generation", type=int, default=0)
+    parser.add_argument("--generation", type=int, default=None,
+                        help="writer generation; without it rank 0 claims a new one (standalone use)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[rank %(rank)s] %(message)s")
     world = World(rank=int(os.environ["RANK"]), size=int(os.environ["WORLD_SIZE"]),
                   local_rank=int(os.environ["LOCAL_RANK"]))
     logging.getLogger().handlers[0].addFilter(_RankFilter(world.rank))
-    config = TrainConfig(**json.loads(Path(args.config).read_text()))
+    # From the unit task: a config file. Standalone (e.g. a Kubernetes Job per unit): TRAIN_* variables.
+    config = TrainConfig(**json.loads(Path(args.config).read_text())) if args.config else load_config([])
     use_nccl = torch.cuda.is_available() and config.device != "cpu"
     if use_nccl:
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
@@ -105,13 +107,24 @@ def main(argv: list[str] | None = None) -> int:
     if world.rank == 0:
         logger.info("%d process(es) joined a %s process group", world.size, dist.get_backend())
     try:
+        generation = args.generation if args.generation is not None else _claim_on_rank0(config, world)
         result = run_unit(config, start_checkpoint=args.start_checkpoint, attempt=args.attempt,
-                          generation=args.generation, world=world, log=logger)
-        if world.local_rank == 0:
+                          generation=generation, world=world, log=logger)
+        if world.local_rank == 0 and args.result:
             Path(args.result).write_text(result.model_dump_json())
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _claim_on_rank0(config: TrainConfig, world) -> int:
+    import torch.distributed as dist
+
+    from training.session import open_store
+
+    box = [open_store(config).claim_generation(label="torchrun unit") if world.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class _RankFilter(logging.Filter):
