@@ -7,6 +7,7 @@ rename and no symlink, so the commit protocol in ``store.py`` never relies on on
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -31,11 +32,13 @@ _READ_CHUNK = 8 * 1024 * 1024
 # Error codes and words that S3-compatible stores use for faults worth retrying.
 _TRANSIENT_WORDS = (
     "slowdown", "slow down", "throttl", "requesttimeout", "request timeout", "internalerror",
-    "serviceunavailable", "service unavailable", "bad gateway", "gateway timeout",
+    "serviceunavailable", "service unavailable", "internal error", "bad gateway", "gateway timeout",
     "connection reset", "connection aborted", "broken pipe",
     "server disconnected", "timed out", "timeout", "temporarily unavailable",
 )
 _TRANSIENT_STATUS = re.compile(r"\b(500|502|503|504|429)\b")
+_TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                     errno.EAGAIN, errno.EPIPE, errno.ECONNREFUSED}
 _PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
@@ -58,6 +61,8 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, _PERMANENT_TYPES):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:  # s3fs maps 500 -> EREMOTEIO, 503 -> EBUSY
         return True
     names = {type(e).__name__ for e in _chain(exc)}
     if names & {"ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError",

@@ -65,3 +65,45 @@ def make_config(tmp_path):
         return TrainConfig(**values)
 
     return make
+
+
+# --- S3 over HTTP (moto server) ------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A real S3 endpoint over HTTP on a free loopback port, for the whole session (as s3fs's tests do)."""
+    from moto.server import ThreadedMotoServer
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ[key] = value
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield port
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_server):
+    """A fresh bucket; yields (save_folder, storage_options) pointing s3fs at the moto server."""
+    import urllib.request
+    import uuid
+
+    import s3fs
+
+    endpoint = f"http://127.0.0.1:{moto_server}"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).read()
+    s3fs.S3FileSystem.clear_instance_cache()
+    options = {"client_kwargs": {"endpoint_url": endpoint}}
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    yield f"s3://{bucket}/runs", options
+    s3fs.S3FileSystem.clear_instance_cache()
