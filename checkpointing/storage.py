@@ -108,7 +108,7 @@ class Storage:
         path = self.path(key)
         if self.is_local:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        self._call(f"put {key}", lambda: self.fs.pipe_file(path, data))
+        self._call(f"put {key}", lambda: self.fs.pipe_file(path, data), missing_is_error=True)
 
     def create(self, key: str, data: bytes) -> bool:
         """Writes ``key`` only if it does not exist yet (atomically); False if it already did.
@@ -136,7 +136,7 @@ class Storage:
                 return False
             return True
 
-        return self._call(f"create {key}", create_remote)
+        return self._call(f"create {key}", create_remote, missing_is_error=True)
 
     def get(self, key: str) -> bytes:
         return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
@@ -195,7 +195,9 @@ class Storage:
         self._call(f"delete {key}", rm)
 
     # -- retry ---------------------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, fn: Callable[[], T], missing_is_error: bool = False) -> T:
+        """Runs ``fn`` with retries. FileNotFoundError passes through for reads (a missing object is an
+        answer); for writes it means the bucket or folder is missing, a permanent error."""
         r = self.retry
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
@@ -206,8 +208,11 @@ class Storage:
         )
         try:
             return retrying(fn)
-        except FileNotFoundError:
-            raise
+        except FileNotFoundError as exc:
+            if not missing_is_error:
+                raise
+            raise StorageError(f"{what} at {self.uri()} failed (permanent): no such bucket or folder ({exc}); "
+                               f"create it or fix save_folder") from exc
         except Exception as exc:  # noqa: BLE001 - re-raised with the operation named
             kind = "transient, retries exhausted" if is_transient(exc) else "permanent"
             raise StorageError(f"{what} at {self.uri()} failed ({kind}): "
