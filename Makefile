@@ -29,5 +29,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# A local S3 endpoint (moto) on 127.0.0.1:5555 with a bucket 'runs'; prints how to train against it.
+s3: install
+	$(PY) -m deployments.local_s3
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -329,7 +329,7 @@ def safe_load(data: bytes, where: str) -> Any:
 
 
 def open_checkpoint_uri(uri: str, *, storage_options: dict[str, Any] | None = None,
-                        files: Iterable[str] | None = None) -> LoadedCheckpoint:
+                        files: Iterable[str] | None = None, option: str = "load_path") -> LoadedCheckpoint:
     """Loads a checkpoint named by URI: a checkpoint folder, or a run folder (its latest good one)."""
     uri = str(uri).rstrip("/").removesuffix(f"/{MANIFEST}").rstrip("/")
     probe = Storage(uri, storage_options)
@@ -342,7 +342,7 @@ def open_checkpoint_uri(uri: str, *, storage_options: dict[str, Any] | None = No
         loaded = CheckpointStore(folder, run, storage_options=storage_options).load_latest(files)
         if loaded is not None:
             return loaded
-        raise NotACheckpointError(f"load_path={uri!r}: the run there has no checkpoint that verifies")
-    raise NotACheckpointError(f"load_path={uri!r}: neither a checkpoint folder (with {MANIFEST}) nor a run folder "
+        raise NotACheckpointError(f"{option}={uri!r}: the run there has no checkpoint that verifies")
+    raise NotACheckpointError(f"{option}={uri!r}: neither a checkpoint folder (with {MANIFEST}) nor a run folder "
                           f"(with '{POINTER}' or '{CHECKPOINTS}/'); point it at <save_folder>/<run_name> or "
                           f"<save_folder>/<run_name>/{CHECKPOINTS}/<name>")

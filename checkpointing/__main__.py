@@ -1,0 +1,111 @@
+"""Checkpoints for people: ``python -m checkpointing ls|verify|export <uri>``.
+
+    python -m checkpointing ls runs/exp1                    # table of a run's checkpoints
+    python -m checkpointing verify runs/exp1                # sha256 of every file; exit 1 if any is bad
+    python -m checkpointing export runs/exp1 model.pt       # weights only, for inference
+
+A URI is a run folder (<save_folder>/<run_name>) or, for verify and export, one checkpoint folder
+(<save_folder>/<run_name>/checkpoints/<name>). --storage-options takes fsspec options as JSON (for
+another S3 endpoint, say); credentials belong in the standard AWS variables, and the value is never
+printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+
+import torch
+
+from checkpointing.store import CHECKPOINTS, STATE_FILE, CheckpointError, CheckpointStore, open_checkpoint_uri
+from checkpointing.storage import StorageError
+
+
+def _run_store(uri: str, options: dict) -> tuple[CheckpointStore, str | None]:
+    """The store of a run URI, and the checkpoint name if the URI names one."""
+    uri = uri.rstrip("/")
+    name = None
+    if f"/{CHECKPOINTS}/" in uri:
+        uri, name = uri.rsplit(f"/{CHECKPOINTS}/", 1)
+    if "/" not in uri:
+        raise CheckpointError(f"{uri!r}: give <save_folder>/<run_name>, e.g. runs/exp1 or s3://bucket/runs/exp1")
+    folder, run = uri.rsplit("/", 1)
+    return CheckpointStore(folder, run, storage_options=options), name
+
+
+def cmd_ls(args, options) -> int:
+    store, _ = _run_store(args.uri, options)
+    pointer = (store.read_pointer() or {}).get("name")
+    rows = [("name", "epoch", "step", "samples", "size MB", "verified", "latest")]
+    for info in store.list():
+        p = info.progress
+        rows.append((info.name, str(p.get("epoch", "")), str(p.get("step", "")), str(p.get("samples_seen", "")),
+                     f"{info.size_bytes / 1e6:.1f}", "no" if store.check(info) else "yes",
+                     "*" if info.name == pointer else ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if len(rows) == 1:
+        print(f"(no checkpoints in {store.uri})")
+    return 0
+
+
+def cmd_verify(args, options) -> int:
+    store, name = _run_store(args.uri, options)
+    names = [name] if name else [i.name for i in store.list()]
+    if not names:
+        print(f"no checkpoints in {store.uri}", file=sys.stderr)
+        return 1
+    bad = 0
+    for n in names:
+        problems = store.check(n, deep=True)
+        print(f"{n}: {'ok' if not problems else 'BAD: ' + '; '.join(problems)}")
+        bad += bool(problems)
+    return 1 if bad else 0
+
+
+def cmd_export(args, options) -> int:
+    loaded = open_checkpoint_uri(args.uri, storage_options=options, files=[STATE_FILE], option="uri")
+    state = loaded.objects[STATE_FILE]
+    out = {"model": state["state"]["model"],
+           "metadata": {"checkpoint": loaded.info.uri, "progress": dict(loaded.info.progress),
+                        "recipe": str(loaded.info.manifest.metadata.get("recipe", ""))}}
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    import fsspec
+
+    with fsspec.open(args.out, "wb", **options) as f:
+        f.write(buf.getvalue())
+    print(f"exported the weights of {loaded.info.uri} to {args.out} (torch.load(f, weights_only=True)['model'])")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m checkpointing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (never printed)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("ls", help="list a run's checkpoints").add_argument("uri")
+    sub.add_parser("verify", help="check every file's sha256; exit 1 if any is bad").add_argument("uri")
+    export = sub.add_parser("export", help="write a weights-only file for inference")
+    export.add_argument("uri")
+    export.add_argument("out")
+    args = parser.parse_args(argv)
+    try:
+        options = json.loads(args.storage_options)
+        if not isinstance(options, dict):
+            raise ValueError
+    except ValueError:
+        print("error: --storage-options must be a JSON object", file=sys.stderr)
+        return 2
+    try:
+        return {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export}[args.command](args, options)
+    except (CheckpointError, StorageError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""python -m checkpointing ls|verify|export, run as a real subprocess on a real run folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore, Writer
+from tests.conftest import ROOT
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "checkpointing", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def run(tmp_path):
+    store = CheckpointStore(str(tmp_path / "runs"), "exp")
+    for i in range(3):
+        store.save(f"ep{i + 1}-ba{8 * (i + 1)}-sa{256 * (i + 1)}",
+                   {"state.pt": {"state": {"model": {"w": torch.full((4,), float(i))}}}},
+                   progress={"epoch": i + 1, "step": 8 * (i + 1), "samples_seen": 256 * (i + 1)},
+                   metadata={"recipe": "recipes.synthetic:SyntheticRecipe"}, writer=Writer.current(1))
+    return store
+
+
+def test_ls_shows_each_checkpoint_with_progress_and_which_one_latest_names(run):
+    out = cli("ls", run.uri)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["name", "epoch", "step", "samples", "size", "MB", "verified", "latest"]
+    assert lines[3].split()[:4] == ["ep3-ba24-sa768", "3", "24", "768"] and lines[3].split()[-2:] == ["yes", "*"]
+    assert len(lines) == 4
+
+
+def test_verify_passes_a_good_run_and_fails_naming_a_flipped_byte(run):
+    assert cli("verify", run.uri).returncode == 0
+    key = "checkpoints/ep2-ba16-sa512/state.pt"
+    data = bytearray(run.storage.get(key))
+    data[len(data) // 2] ^= 1
+    run.storage.put(key, bytes(data))
+    out = cli("verify", run.uri)
+    assert out.returncode == 1
+    assert "ep2-ba16-sa512: BAD: ep2-ba16-sa512/state.pt: sha256 mismatch" in out.stdout
+    assert "ep3-ba24-sa768: ok" in out.stdout
+
+
+def test_export_writes_weights_that_load_safely(run, tmp_path):
+    out_file = tmp_path / "model.pt"
+    out = cli("export", f"{run.uri}/checkpoints/ep2-ba16-sa512", str(out_file))
+    assert out.returncode == 0, out.stderr
+    exported = torch.load(out_file, weights_only=True)
+    assert torch.equal(exported["model"]["w"], torch.full((4,), 1.0))
+    assert exported["metadata"]["progress"]["step"] == 16
+
+
+def test_a_uri_that_is_no_run_fails_with_one_clear_line(tmp_path):
+    out = cli("export", str(tmp_path / "nothing"), str(tmp_path / "m.pt"))
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: uri=") and "Traceback" not in out.stderr
+    assert not (tmp_path / "m.pt").exists()
