@@ -8,7 +8,6 @@ rename and no symlink, so the commit protocol in ``store.py`` never relies on on
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
@@ -28,7 +27,6 @@ from tenacity import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_READ_CHUNK = 8 * 1024 * 1024
 # Error codes and words that S3-compatible stores use for faults worth retrying.
 _TRANSIENT_WORDS = (
     "slowdown", "slow down", "throttl", "requesttimeout", "request timeout", "internalerror",
@@ -140,20 +138,6 @@ class Storage:
 
     def get(self, key: str) -> bytes:
         return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
-
-    def get_hashed(self, key: str) -> tuple[bytes, str]:
-        """Reads an object once, computing its sha256 on the way (no second pass over big files)."""
-
-        def read() -> tuple[bytes, str]:
-            digest = hashlib.sha256()
-            chunks = []
-            with self.fs.open(self.path(key), "rb", block_size=_READ_CHUNK) as f:
-                while chunk := f.read(_READ_CHUNK):
-                    digest.update(chunk)
-                    chunks.append(chunk)
-            return b"".join(chunks), digest.hexdigest()
-
-        return self._call(f"get {key}", read)
 
     def exists(self, key: str) -> bool:
         return self._call(f"exists {key}", lambda: self.fs.exists(self.path(key)))

@@ -8,18 +8,20 @@ Layout under ``<save_folder>/<run_name>/``::
     latest                             {"name", "generation"}; moved only after the manifest is written
 
 Commit order is files, then manifest, then ``latest``. A reader trusts ``latest`` only if the checkpoint
-it names verifies; otherwise it lists manifests and takes the newest one that verifies. Loading hashes
-each file while downloading it and refuses anything ``torch.load(weights_only=True)`` would not load
+it names verifies; otherwise it lists manifests and takes the newest one that verifies. Loading reads
+each file once, hashes it while deserializing it, and refuses anything ``torch.load(weights_only=True)`` would not load
 safely, so a checkpoint from a shared bucket cannot run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import pickle
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -134,8 +136,7 @@ class CheckpointStore:
             elif found[fname] != entry.size:
                 problems.append(f"{info.name}/{fname}: size {found[fname]} != {entry.size} in manifest")
             elif deep:
-                _, digest = self.storage.get_hashed(f"{prefix}/{fname}")
-                if digest != entry.sha256:
+                if _sha256(self.storage.get(f"{prefix}/{fname}")) != entry.sha256:
                     problems.append(f"{info.name}/{fname}: sha256 mismatch")
         return problems
 
@@ -151,14 +152,22 @@ class CheckpointStore:
             if entry is None:
                 continue
             try:
-                data, digest = self.storage.get_hashed(f"{self._key(info.name)}/{fname}")
+                data = self.storage.get(f"{self._key(info.name)}/{fname}")  # read once
             except FileNotFoundError as exc:
                 raise CorruptCheckpointError(f"{info.uri}/{fname}: missing") from exc
-            if len(data) != entry.size or digest != entry.sha256:
+            # Hash (which releases the GIL) while deserializing; trust the result only if the hash matches.
+            digest = _HASHER.submit(_sha256, data)
+            try:
+                obj, error = safe_load(data, f"{info.uri}/{fname}"), None
+            except Exception as exc:  # noqa: BLE001 - judged after the hash: corrupt beats unsafe
+                obj, error = None, exc
+            if len(data) != entry.size or digest.result() != entry.sha256:
                 raise CorruptCheckpointError(
-                    f"{info.uri}/{fname}: {len(data)} bytes, sha256 {digest[:12]}… does not match the "
+                    f"{info.uri}/{fname}: {len(data)} bytes, sha256 {digest.result()[:12]}… does not match the "
                     f"manifest ({entry.size} bytes, {entry.sha256[:12]}…)")
-            objects[fname] = safe_load(data, f"{info.uri}/{fname}")
+            if error is not None:
+                raise error
+            objects[fname] = obj
         return LoadedCheckpoint(info=info, objects=objects)
 
     def load_latest(self, files: Iterable[str] | None = None) -> LoadedCheckpoint | None:
@@ -197,11 +206,12 @@ class CheckpointStore:
         self._check_fence(writer)
         prefix = self._key(name)
         self._in_flight.add(name)
+        entries = {f: _HASHER.submit(describe, d) for f, d in blobs.items()}  # hashed while the files upload
         try:
             self.storage.delete(f"{prefix}/{MANIFEST}")  # a re-save first un-commits the old copy
             for fname, data in blobs.items():
                 self.storage.put(f"{prefix}/{fname}", data)
-            manifest = Manifest(name=name, files={f: describe(d) for f, d in blobs.items()},
+            manifest = Manifest(name=name, files={f: e.result() for f, e in entries.items()},
                                 progress=dict(progress), metadata=dict(metadata or {}), writer=writer)
             self.storage.put(f"{prefix}/{MANIFEST}", manifest.to_json())
             self._check_fence(writer)
@@ -306,6 +316,13 @@ def _score(info: CheckpointInfo, attribute: str, order: str) -> tuple[int, float
     if value is None:
         return (1, 0.0)
     return (0, -float(value) if order == "max" else float(value))
+
+
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-hash")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def serialize(objects: dict[str, Any]) -> dict[str, bytes]:
