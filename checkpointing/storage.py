@@ -8,9 +8,11 @@ rename and no symlink, so the commit protocol in ``store.py`` never relies on on
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -35,6 +37,8 @@ _TRANSIENT_WORDS = (
     "server disconnected", "timed out", "timeout", "temporarily unavailable",
 )
 _TRANSIENT_STATUS = re.compile(r"\b(500|502|503|504|429)\b")
+_CHUNK = 16 * 1024 * 1024
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-hash")
 _TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
                      errno.EAGAIN, errno.EPIPE, errno.ECONNREFUSED}
 _PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -138,6 +142,24 @@ class Storage:
 
     def get(self, key: str) -> bytes:
         return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
+
+    def get_hashed(self, key: str) -> tuple[bytes, str]:
+        """Reads an object once and its sha256: each chunk is hashed on a helper thread while the next
+        one is read (both release the GIL), so verifying costs little more than reading."""
+
+        def read() -> tuple[bytes, str]:
+            digest, chunks, pending = hashlib.sha256(), [], None
+            with self.fs.open(self.path(key), "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    if pending is not None:
+                        pending.result()
+                    chunks.append(chunk)
+                    pending = _HASHER.submit(digest.update, chunk)
+            if pending is not None:
+                pending.result()
+            return b"".join(chunks), digest.hexdigest()
+
+        return self._call(f"get {key}", read)
 
     def exists(self, key: str) -> bool:
         return self._call(f"exists {key}", lambda: self.fs.exists(self.path(key)))

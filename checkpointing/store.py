@@ -9,7 +9,7 @@ Layout under ``<save_folder>/<run_name>/``::
 
 Commit order is files, then manifest, then ``latest``. A reader trusts ``latest`` only if the checkpoint
 it names verifies; otherwise it lists manifests and takes the newest one that verifies. Loading reads
-each file once, hashes it while deserializing it, and refuses anything ``torch.load(weights_only=True)`` would not load
+each file once, hashing it chunk by chunk as it arrives, and refuses anything ``torch.load(weights_only=True)`` would not load
 safely, so a checkpoint from a shared bucket cannot run code.
 """
 
@@ -151,24 +151,20 @@ class CheckpointStore:
             entry = info.manifest.files.get(fname)
             if entry is None:
                 continue
-            try:
-                data = self.storage.get(f"{self._key(info.name)}/{fname}")  # read once
-            except FileNotFoundError as exc:
-                raise CorruptCheckpointError(f"{info.uri}/{fname}: missing") from exc
-            # Hash (which releases the GIL) while deserializing; trust the result only if the hash matches.
-            digest = _HASHER.submit(_sha256, data)
-            try:
-                obj, error = safe_load(data, f"{info.uri}/{fname}"), None
-            except Exception as exc:  # noqa: BLE001 - judged after the hash: corrupt beats unsafe
-                obj, error = None, exc
-            if len(data) != entry.size or digest.result() != entry.sha256:
+            data, digest = self._read_verified(info, fname)
+            if len(data) != entry.size or digest != entry.sha256:
                 raise CorruptCheckpointError(
-                    f"{info.uri}/{fname}: {len(data)} bytes, sha256 {digest.result()[:12]}… does not match the "
+                    f"{info.uri}/{fname}: {len(data)} bytes, sha256 {digest[:12]}… does not match the "
                     f"manifest ({entry.size} bytes, {entry.sha256[:12]}…)")
-            if error is not None:
-                raise error
-            objects[fname] = obj
+            objects[fname] = safe_load(data, f"{info.uri}/{fname}")
         return LoadedCheckpoint(info=info, objects=objects)
+
+    def _read_verified(self, info: CheckpointInfo, fname: str) -> tuple[bytes, str]:
+        """One read of a file and its sha256, hashed while reading (never a second pass over the store)."""
+        try:
+            return self.storage.get_hashed(f"{self._key(info.name)}/{fname}")
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{info.uri}/{fname}: missing") from exc
 
     def load_latest(self, files: Iterable[str] | None = None) -> LoadedCheckpoint | None:
         """Loads the newest good checkpoint, falling back past any whose files fail verification."""
