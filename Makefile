@@ -35,3 +35,27 @@ s3: install
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# -- A local Prefect stack: server (SQLite in ./.prefect), work pool, deployments, automations, worker ------
+# `make stack` brings up all of it in one terminal (UI at http://127.0.0.1:4200; Ctrl-C stops it all).
+# Or one terminal each: `make server`, then `make deploy` and `make worker`. PREFECT_PORT picks another port.
+# From another shell:  export PREFECT_HOME=$PWD/.prefect PREFECT_API_URL=http://127.0.0.1:4200/api
+.PHONY: stack server deploy worker test-deployments
+PREFECT_PORT ?= 4200
+STACK := PREFECT_PORT=$(PREFECT_PORT) $(PY) -m deployments.stack
+
+stack: install
+	$(STACK) up
+
+server: install
+	$(STACK) server
+
+deploy: install
+	$(STACK) deploy
+
+worker: install
+	$(STACK) worker
+
+# The end-to-end deployment tests alone (real server, worker and signals; about 3-4 minutes).
+test-deployments: install
+	$(PY) -m pytest -q tests/integration/test_deployments.py

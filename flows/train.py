@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import SettingsError
 
 from checkpointing import CheckpointError, NotACheckpointError, open_checkpoint_uri
+from flows.artifacts import RunReport
 from tasks import evaluate, unit_task
 from training.config import ConfigError, TrainConfig, describe_error, load_config
 from training.loop import UnitResult
@@ -23,7 +24,11 @@ from training.session import open_store
 from training.progress import Progress, is_complete, rescaled, unit_index
 from training.recipe import load_recipe
 
-__all__ = ["TrainConfig", "TrainResult", "main", "train"]
+__all__ = ["RestartLimitError", "TrainConfig", "TrainResult", "check_restart_cap", "main", "train"]
+
+
+class RestartLimitError(RuntimeError):
+    """The flow run was restarted more often than ``max_restarts``: it ends Failed, which no automation restarts."""
 
 
 class TrainResult(BaseModel):
@@ -44,6 +49,7 @@ class TrainResult(BaseModel):
 def train(config: TrainConfig) -> TrainResult:
     """Train ``config.recipe`` to ``config.max_duration``, one checkpointed unit per task."""
     log = get_run_logger()
+    check_restart_cap(config.max_restarts)
     load_recipe(config)  # a bad recipe or recipe_args fails here, before anything is written
     store = open_store(config)
     start = store.latest()
@@ -59,6 +65,7 @@ def train(config: TrainConfig) -> TrainResult:
     log.info("run %s in %s: %s; %s to train", config.run_name, store.uri,
              f"resuming from checkpoint {start.name}" if start else "no checkpoint yet",
              "nothing left" if is_complete(progress, config.duration) else config.max_duration)
+    report = RunReport(config, store, start, log)
 
     run_unit_task, units = unit_task(config), []
     while not is_complete(progress, config.duration):
@@ -67,12 +74,14 @@ def train(config: TrainConfig) -> TrainResult:
         if result.metrics.get("steps", 0) == 0 and not result.complete:
             raise RuntimeError(f"unit {result.unit} trained no step; stopping rather than looping")
         progress, units = Progress.from_dict(result.progress), units + [result]
+        report.unit_done(result)
         if config.eval_each_unit and not result.complete:
             evaluate(config, result.checkpoint_name)
 
     final_name = units[-1].checkpoint_name if units else start.name
     final_uri = units[-1].checkpoint if units else start.uri
     metrics = evaluate(config, final_name)
+    report.finish(units, metrics, started_from=f"checkpoint {start.name}" if start else "no checkpoint")
     log.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
              config.run_name, progress.epoch, progress.step, progress.samples_seen, len(units), final_uri,
              ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -80,6 +89,15 @@ def train(config: TrainConfig) -> TrainResult:
                        samples_seen=progress.samples_seen, sample_in_epoch=progress.sample_in_epoch,
                        metrics=metrics, units=units,
                        started_from=f"checkpoint {start.name}" if start else "no checkpoint")
+
+
+def check_restart_cap(max_restarts: int) -> None:
+    """Ends the flow run Failed once it has been restarted (rescheduled after a crash) ``max_restarts`` times."""
+    restarts = (flow_run.run_count or 1) - 1
+    if restarts > max_restarts:
+        raise RestartLimitError(f"flow run {flow_run.id} was restarted {restarts} times after crashes, more than "
+                                f"max_restarts={max_restarts}; ending Failed instead of resuming again. Look at "
+                                f"why it keeps dying, then start a new run (it resumes from the last checkpoint).")
 
 
 def _check_load_path(config: TrainConfig) -> None:

@@ -125,6 +125,9 @@ class TrainConfig(BaseSettings):
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train: auto picks CUDA when present.")
     unit_retries: int = Field(2, ge=0, description="Prefect retries of a failed unit (each one resumes).")
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts of a crashed flow run (rescheduled by the deployment's automation) after which "
+                             "the run ends Failed instead of resuming again.")
     retry_delay_seconds: float = Field(1.0, ge=0, description="Base delay of the exponential backoff between unit retries.")
     store_retry_attempts: int = Field(6, ge=1, description="Attempts per object-store call on transient faults.")
     store_retry_max_seconds: float = Field(120.0, gt=0, description="Give up an object-store call after this long.")

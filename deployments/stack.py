@@ -1,0 +1,199 @@
+"""A local Prefect stack for the training deployments: server (SQLite), work pool, deployments, automations, worker.
+
+People use it through make (state in ./.prefect, the UI at http://127.0.0.1:4200):
+
+    make stack      # all of it; Ctrl-C stops the worker and the server
+    make server / make deploy / make worker      # the same pieces, one terminal each
+
+The end-to-end tests start the same pieces with a temporary PREFECT_HOME and a free port. Every
+process is started in its own session so that stopping it can take its whole process tree down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"
+POOL = "local-process"
+
+
+@dataclass
+class Stack:
+    """Where one stack keeps its state and answers; ``env()`` is the environment of every process in it."""
+
+    home: Path
+    port: int = 4200
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                   TRAINING_PROJECT_DIR=str(ROOT))
+        env.update(self.extra_env)
+        env.update(extra)
+        return env
+
+    def prefect(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        """Runs ``prefect <args>`` against this stack; raises with its output if it fails."""
+        proc = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=self.env(),
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"prefect {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+
+def start_server(stack: Stack, log: Path | None = None) -> subprocess.Popen:
+    """``prefect server start`` on 127.0.0.1:<port>, SQLite at $PREFECT_HOME/prefect.db."""
+    stack.home.mkdir(parents=True, exist_ok=True)
+    return _spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                   str(stack.port)], stack.env(), log)
+
+
+def wait_healthy(stack: Stack, server: subprocess.Popen, timeout: float = 180) -> None:
+    """Polls /api/health until the server answers (or fails if the server process ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {server.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{stack.api_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"prefect server at {stack.api_url} not healthy after {timeout}s")
+
+
+def create_pool(stack: Stack, pool: str = POOL) -> None:
+    """Creates the process work pool (an existing one is kept)."""
+    found = subprocess.run([sys.executable, "-m", "prefect", "work-pool", "inspect", pool], cwd=ROOT,
+                           env=stack.env(), capture_output=True, text=True)
+    if found.returncode != 0:
+        stack.prefect("work-pool", "create", pool, "--type", "process")
+
+
+def deploy(stack: Stack) -> None:
+    """``prefect deploy --all`` with deployments/prefect.yaml, from the project root."""
+    stack.prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML.relative_to(ROOT)), timeout=300)
+
+
+def install_automations(stack: Stack, *extra_args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "deployments.automations", *extra_args], cwd=ROOT,
+                          env=stack.env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"deployments.automations exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def start_worker(stack: Stack, log: Path | None = None, pool: str = POOL, **env: str) -> subprocess.Popen:
+    """``prefect worker start`` for the process pool; flow runs start in TRAINING_PROJECT_DIR (the project)."""
+    return _spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
+                  stack.env(**env), log)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children first found first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Stops a process started here and its whole tree: its session's group, then any descendant left."""
+    tree = descendants(proc.pid)
+    for target in (lambda: os.killpg(proc.pid, sig), *[lambda p=p: os.kill(p, sig) for p in tree]):
+        try:
+            target()
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *tree]:  # whatever ignored the polite signal
+        try:
+            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(timeout=timeout)
+
+
+def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen:
+    out = open(log, "ab") if log else None  # noqa: SIM115 - handed to the child, closed with the test's tmp dir
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.stack", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["up", "server", "deploy", "worker"])
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", "4200")))
+    parser.add_argument("--home", type=Path, default=ROOT / ".prefect")
+    args = parser.parse_args(argv)
+    stack = Stack(home=args.home.resolve(), port=args.port)
+    if args.command == "deploy":
+        _deploy_all(stack)
+        return 0
+    procs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as cleanly as Ctrl-C
+    try:
+        if args.command in ("up", "server"):
+            procs.append(start_server(stack))
+            wait_healthy(stack, procs[-1])
+            print(f"Prefect server: UI at http://127.0.0.1:{stack.port}, API {stack.api_url}, state in {stack.home}")
+        if args.command == "up":
+            _deploy_all(stack)
+        if args.command in ("up", "worker"):
+            procs.append(start_worker(stack))
+        print(f"Use it from another shell:  export PREFECT_HOME={stack.home} PREFECT_API_URL={stack.api_url}")
+        print("Ctrl-C stops " + " and ".join(p.args[3] for p in procs))
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+        return max(p.returncode or 0 for p in procs)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave an orphan behind
+            signal.signal(sig, signal.SIG_IGN)
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _deploy_all(stack: Stack) -> None:
+    create_pool(stack)
+    deploy(stack)
+    print(install_automations(stack), end="")
+    print("deployed: train/default, retrain/nightly (cron 0 3 * * * UTC) on work pool", POOL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Scheduled retraining: warm-start from the released model, train, evaluate, promote only if not worse.
+
+One run per schedule tick. Its run name comes from the tick's scheduled time (``retrain-20261122T0300``),
+which Prefect keeps when it reschedules a crashed run, so a restarted tick resumes its own checkpoints
+instead of starting over. The released model is named by a small pointer object next to the runs,
+``<save_folder>/release.json``, written through the checkpoint store's storage layer (local, s3://,
+memory://): a tick warm-starts from it and rewrites it only when the new model is at least as good.
+
+    python -m flows.retrain --save_folder s3://bucket/runs     # TrainConfig's flags; metric "accuracy"
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timezone
+from typing import Any
+
+from prefect import flow
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from checkpointing import validate_name
+from checkpointing.storage import Storage
+from flows.train import TrainResult, check_restart_cap, train
+from training.config import ConfigError, TrainConfig
+
+RELEASE = "release.json"
+
+
+class Release(BaseModel):
+    """The promoted model: which checkpoint, and how it scored."""
+
+    run_name: str
+    checkpoint: str
+    metric: str
+    value: float
+    metrics: dict[str, float]
+    promoted_at: float
+    flow_run_id: str | None = None
+
+
+class RetrainResult(BaseModel):
+    """What one tick did: its run, whether it was promoted, both scores, and the release it leaves."""
+
+    run_name: str
+    promoted: bool
+    metric: str
+    new_value: float
+    released_value: float | None
+    release_checkpoint: str
+    reason: str
+
+
+def release_storage(config: TrainConfig) -> Storage:
+    return Storage(config.save_folder, config.storage_options)
+
+
+def read_release(config: TrainConfig) -> Release | None:
+    """The current release of ``config.save_folder``, or None before the first promotion."""
+    storage = release_storage(config)
+    try:
+        return Release.model_validate_json(storage.get(RELEASE))
+    except FileNotFoundError:
+        return None
+
+
+def write_release(config: TrainConfig, release: Release) -> None:
+    release_storage(config).put(RELEASE, release.model_dump_json(indent=1).encode())
+
+
+def tick_run_name(prefix: str) -> str:
+    """``<prefix>-<scheduled start, UTC, to the minute>``: the same for every restart of one tick."""
+    scheduled = flow_run.scheduled_start_time.astimezone(timezone.utc)
+    return validate_name(f"{prefix}-{scheduled:%Y%m%dT%H%M}", "run_prefix")
+
+
+def is_not_worse(new: float, old: float, higher_is_better: bool) -> bool:
+    return new >= old if higher_is_better else new <= old
+
+
+@flow(name="retrain", validate_parameters=True)
+def retrain(config: TrainConfig, metric: str = "accuracy", higher_is_better: bool = True,
+            run_prefix: str = "retrain") -> RetrainResult:
+    """Train one tick's model from the release's weights; promote it if ``metric`` is not worse."""
+    log = get_run_logger()
+    check_restart_cap(config.max_restarts)
+    run_name = tick_run_name(run_prefix)
+    release = read_release(config)
+    updates: dict[str, Any] = {"run_name": run_name}
+    if release is not None:
+        updates.update(load_path=release.checkpoint, load_weights_only=True)
+        log.info("tick %s warm-starts from the release %s (%s %s=%.4f)", run_name, release.checkpoint,
+                 release.run_name, release.metric, release.value)
+    else:
+        log.info("tick %s: no release in %s yet; training from scratch", run_name, config.save_folder)
+    result = train(config.model_copy(update=updates))
+    return decide(config, result, release, metric, higher_is_better, log)
+
+
+def decide(config: TrainConfig, result: TrainResult, release: Release | None, metric: str,
+           higher_is_better: bool, log) -> RetrainResult:
+    """Promotes ``result`` (rewrites release.json) unless it is worse than the release on ``metric``."""
+    if metric not in result.metrics:
+        raise ConfigError(f"metric={metric!r}: the recipe's evaluation reports {sorted(result.metrics)}; "
+                          f"choose one of those")
+    new = result.metrics[metric]
+    old = release.metrics.get(metric) if release is not None else None
+    direction = "higher" if higher_is_better else "lower"
+    if old is None or is_not_worse(new, old, higher_is_better):
+        write_release(config, Release(run_name=result.run_name, checkpoint=result.checkpoint, metric=metric,
+                                      value=new, metrics=result.metrics, promoted_at=time.time(),
+                                      flow_run_id=flow_run.id))
+        reason = (f"retrain decision: promoted {result.run_name}: {metric} {new:.4f}" +
+                  (f" is not worse than the release's {old:.4f} ({direction} is better)" if old is not None
+                   else " (first release)"))
+        log.info(reason)
+        return RetrainResult(run_name=result.run_name, promoted=True, metric=metric, new_value=new,
+                             released_value=old, release_checkpoint=result.checkpoint, reason=reason)
+    reason = (f"retrain decision: kept the release {release.run_name}: {result.run_name}'s {metric} {new:.4f} "
+              f"is worse than {old:.4f} ({direction} is better)")
+    log.warning(reason)
+    return RetrainResult(run_name=result.run_name, promoted=False, metric=metric, new_value=new,
+                         released_value=old, release_checkpoint=release.checkpoint, reason=reason)
+
+
+if __name__ == "__main__":
+    from training.config import load_config
+
+    print(retrain(load_config(sys.argv[1:])).model_dump_json(indent=1))
