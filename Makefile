@@ -33,6 +33,12 @@ test-fast: install
 s3: install
 	$(PY) -m deployments.local_s3
 
+# Benchmarks: each prints its figures and appends them to bench/RESULTS.md. One of them: make bench BENCH=overhead
+BENCH ?= all
+bench: install
+	$(PIP) install -q -c constraints.txt -e '.[test,bench]'
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m bench $(BENCH)
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
