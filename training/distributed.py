@@ -57,9 +57,11 @@ def launch_unit(config: TrainConfig, *, start_checkpoint: str | None, attempt: i
         log.info("unit (attempt %d): torchrun with %d process(es) per node on %d node(s)", attempt,
                  config.nproc_per_node, config.nnodes)
         code = _run_group(cmd, env, log)
-        if code != 0 or not result_file.exists():
+        if not result_file.exists():
             raise DistributedUnitError(f"torchrun exited with code {code} before the unit committed; all its "
                                        f"processes were stopped (a retry resumes from the last checkpoint)")
+        if code != 0:  # the result is written only after the commit: the unit is done, only teardown failed
+            log.warning("torchrun exited with code %d after the unit committed; keeping its result", code)
         return UnitResult.model_validate_json(result_file.read_text())
 
 

@@ -203,7 +203,9 @@ def _reposition(config: TrainConfig, session: Session, applies_skip: bool, log) 
     if p.global_batch_size and p.global_batch_size != new:
         old_step, old_size = p.step, p.global_batch_size
         session.progress = p = rescaled(p, new)
-        _continue_schedule(session.scheduler, p.step)
+        if not _continue_schedule(session.scheduler, p.step):
+            log.warning("%s has no closed form: its step counter now reads %d, but its learning rate continues "
+                        "from where it was", type(session.scheduler).__name__, p.step)
         log.info("global_batch_size changed %d -> %d: %d samples already trained; epoch %d resumes at sample "
                  "%d of %d (nothing repeated or dropped); the step counter, LR schedule and '<n>ba' durations "
                  "continue at step %d = %d // %d (was step %d)", old_size, new, p.samples_seen,
@@ -222,10 +224,11 @@ def _reposition(config: TrainConfig, session: Session, applies_skip: bool, log) 
         p.sample_in_epoch = target
 
 
-def _continue_schedule(scheduler: Any, step: int) -> None:
-    """Moves a step-based LR schedule to ``step`` (after a batch-size change renumbered steps)."""
+def _continue_schedule(scheduler: Any, step: int) -> bool:
+    """Moves a step-based LR schedule to ``step`` (after a batch-size change renumbered steps).
+    False when only the counter could be moved (a chainable scheduler without a closed form)."""
     if scheduler is None:
-        return
+        return True
     scheduler.last_epoch = step
     closed_form = getattr(scheduler, "_get_closed_form_lr", None)
     if closed_form is None and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
@@ -235,6 +238,7 @@ def _continue_schedule(scheduler: Any, step: int) -> None:
         for group, lr in zip(scheduler.optimizer.param_groups, lrs):
             group["lr"] = lr
         scheduler._last_lr = list(lrs)
+    return closed_form is not None
 
 
 # -- save -----------------------------------------------------------------------------------------

@@ -77,25 +77,33 @@ def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_conf
     runner.start()
 
     pointer = Path(config.save_folder, config.run_name, "latest")
+    ids = record / "ids-rank1.txt"
     deadline = time.monotonic() + 240
-    while not (pointer.exists() and (record / "ids-rank1.txt").exists()
-               and len((record / "ids-rank1.txt").read_text().split("\n")) > 250 + 20):  # into unit 1
+    unit0_ranks: set[int] = set()
+    while not pointer.exists():  # unit 0 trains and commits; remember its rank-1 process
+        assert time.monotonic() < deadline and runner.is_alive(), "unit 0 never committed"
+        unit0_ranks.update(rank_processes(rank=1))
+        time.sleep(0.02)
+    lines_at_commit = len(ids.read_text().splitlines())
+    while True:  # a new rank-1 process (unit 1's) that has trained 20 steps
+        victims = [p for p in rank_processes(rank=1) if p not in unit0_ranks]
+        if victims and len(ids.read_text().splitlines()) > lines_at_commit + 20:
+            break
         assert time.monotonic() < deadline and runner.is_alive(), "unit 1 never started"
-        time.sleep(0.05)
-    victims = rank_processes(rank=1)
+        time.sleep(0.02)
     assert len(victims) == 1
     os.kill(victims[0], signal.SIGKILL)
     runner.join(timeout=300)
 
     result = outcome["result"]
     assert (result.epoch, result.samples_seen) == (3, 12000)
-    first = json.loads(pointer.read_text())["name"]
     assert [u.unit for u in result.units] == [0, 1, 2]
     assert result.units[1].resumed_from == f"checkpoint {result.units[0].checkpoint_name}"
-    assert first == result.units[-1].checkpoint_name
+    assert json.loads(pointer.read_text())["name"] == result.units[-1].checkpoint_name
     assert rank_processes(rank=None) == []  # no orphan ranks left behind
-    # The killed attempt trained part of unit 1; the retry trained all of unit 1 again from its checkpoint.
-    lines = (record / "ids-rank1.txt").read_text().split("\n")[:-1]
+    # The killed attempt trained part of unit 1; the retry trained unit 1 again from its checkpoint, so unit 1's
+    # first batch (the first line after unit 0's) appears exactly twice.
+    lines = ids.read_text().splitlines()
+    first_of_unit1 = lines[lines_at_commit]
+    assert lines.count(first_of_unit1) == 2
     assert len(lines) > 3 * 250
-    retry_start = len(lines) - 2 * 250  # units 1 and 2 of the retry: 250 steps each
-    assert lines[retry_start] == lines[250], "the retry did not restart unit 1 at the checkpoint's position"
