@@ -2,6 +2,7 @@
 
     python -m checkpointing ls runs/exp1                    # table of a run's checkpoints
     python -m checkpointing verify runs/exp1                # sha256 of every file; exit 1 if any is bad
+    python -m checkpointing verify runs/exp1 --name ep3-ba24-sa768   # one checkpoint
     python -m checkpointing export runs/exp1 model.pt       # weights only, for inference
 
 A URI is a run folder (<save_folder>/<run_name>) or, for verify and export, one checkpoint folder
@@ -19,7 +20,8 @@ import sys
 
 import torch
 
-from checkpointing.store import CHECKPOINTS, STATE_FILE, CheckpointError, CheckpointStore, open_checkpoint_uri
+from checkpointing.store import (CHECKPOINTS, STATE_FILE, CheckpointError, CheckpointStore, open_checkpoint_uri,
+                                  validate_name)
 from checkpointing.storage import StorageError
 
 
@@ -54,6 +56,7 @@ def cmd_ls(args, options) -> int:
 
 def cmd_verify(args, options) -> int:
     store, name = _run_store(args.uri, options)
+    name = validate_name(args.name, "--name") if args.name else name
     names = [name] if name else [i.name for i in store.list()]
     if not names:
         print(f"no checkpoints in {store.uri}", file=sys.stderr)
@@ -82,27 +85,38 @@ def cmd_export(args, options) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m checkpointing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --storage-options may come before or after the command; SUPPRESS keeps a command from resetting it.
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--storage-options", default=argparse.SUPPRESS, help="fsspec options as JSON (never printed)")
     parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (never printed)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("ls", help="list a run's checkpoints").add_argument("uri")
-    sub.add_parser("verify", help="check every file's sha256; exit 1 if any is bad").add_argument("uri")
-    export = sub.add_parser("export", help="write a weights-only file for inference")
+    sub.add_parser("ls", parents=[options], help="list a run's checkpoints ('verified': every file there with the "
+                                                 "size its manifest gives; verify also checks sha256)").add_argument("uri")
+    verify = sub.add_parser("verify", parents=[options], help="check every file's sha256; exit 1 if any is bad")
+    verify.add_argument("uri")
+    verify.add_argument("--name", help="verify only this checkpoint of the run")
+    export = sub.add_parser("export", parents=[options], help="write a weights-only file for inference")
     export.add_argument("uri")
     export.add_argument("out")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         options = json.loads(args.storage_options)
         if not isinstance(options, dict):
             raise ValueError
     except ValueError:
-        print("error: --storage-options must be a JSON object", file=sys.stderr)
+        print("error: --storage-options must be a JSON object, e.g. "
+              "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:5555\"}}'", file=sys.stderr)
         return 2
     try:
         return {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export}[args.command](args, options)
-    except (CheckpointError, StorageError, ValueError) as exc:
+    except (CheckpointError, StorageError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

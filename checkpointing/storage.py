@@ -29,19 +29,28 @@ from tenacity import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Error codes and words that S3-compatible stores use for faults worth retrying.
+# What S3-compatible stores answer for faults worth retrying: HTTP statuses and error codes (a throttled or
+# timed-out request may come back as 400/409/429 with one of these codes).
+_TRANSIENT_STATUSES = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+                    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+                    "OperationAborted", "PriorRequestNotComplete"}
+# For errors that carry no HTTP status (network failures, other fsspec backends): words in their message.
 _TRANSIENT_WORDS = (
     "slowdown", "slow down", "throttl", "requesttimeout", "request timeout", "internalerror",
     "serviceunavailable", "service unavailable", "internal error", "bad gateway", "gateway timeout",
     "connection reset", "connection aborted", "broken pipe",
     "server disconnected", "timed out", "timeout", "temporarily unavailable",
 )
-_TRANSIENT_STATUS = re.compile(r"\b(500|502|503|504|429)\b")
+_TRANSIENT_STATUS_TEXT = re.compile(r"\b(500|502|503|504|429)\b")
 _CHUNK = 16 * 1024 * 1024
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-hash")
 _TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
                      errno.EAGAIN, errno.EPIPE, errno.ECONNREFUSED}
 _PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_NETWORK_ERRORS = {"ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError",
+                   "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                   "ServerTimeoutError", "IncompleteReadError", "ResponseStreamingError"}
 
 
 class StorageError(RuntimeError):
@@ -59,21 +68,50 @@ class RetrySettings:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for faults that a retry can cure: timeouts, resets, 5xx, throttling."""
+    """True for faults that a retry can cure: timeouts, resets, 5xx, throttling.
+
+    An HTTP answer decides by its status and error code, never by words in its message (a 400 whose
+    message quotes a key like ``step-500`` is not a 500). s3fs turns botocore's ClientError into an
+    OSError; the ClientError stays on the chain, so its status and code are read from there."""
     if isinstance(exc, _PERMANENT_TYPES):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
+    for e in _chain(exc):
+        status, code = http_status(e), error_code(e)
+        if status is not None or code:
+            return status in _TRANSIENT_STATUSES or code in _TRANSIENT_CODES
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:  # s3fs maps 500 -> EREMOTEIO, 503 -> EBUSY
         return True
-    names = {type(e).__name__ for e in _chain(exc)}
-    if names & {"ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError",
-                "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                "ConnectionClosedError", "ServerTimeoutError", "IncompleteReadError",
-                "ResponseStreamingError"}:
+    if {type(e).__name__ for e in _chain(exc)} & _NETWORK_ERRORS:
         return True
     text = " ".join(str(e).lower() for e in _chain(exc))
-    return any(word in text for word in _TRANSIENT_WORDS) or bool(_TRANSIENT_STATUS.search(text))
+    return any(word in text for word in _TRANSIENT_WORDS) or bool(_TRANSIENT_STATUS_TEXT.search(text))
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status an error carries: botocore's ``response``, or a ``status``/``status_code`` attribute."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return int(status) if status else None
+    for attribute in ("status_code", "status"):
+        value = getattr(exc, attribute, None)
+        if isinstance(value, int) and 100 <= value <= 599:
+            return value
+    return None
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ClientError (``SlowDown``, ``NoSuchBucket``, ...), else ''."""
+    response = getattr(exc, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return str(code) if code else ""
+
+
+def no_such_bucket(exc: BaseException) -> bool:
+    """True when S3 said the bucket itself is missing (not merely the object)."""
+    return any(error_code(e) == "NoSuchBucket" for e in _chain(exc))
 
 
 def _chain(exc: BaseException):
@@ -97,6 +135,7 @@ class Storage:
         self.root = self.root.rstrip("/")
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.is_local = self.protocol in ("file", "local")
+        self._bucket_found = self.is_local or self.protocol == "memory"  # no buckets there
 
     # -- paths ---------------------------------------------------------------------------------
     def path(self, key: str) -> str:
@@ -184,7 +223,9 @@ class Storage:
             self.fs.invalidate_cache()
             try:
                 entries = self.fs.ls(base, detail=True)
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if no_such_bucket(exc) or self._missing_bucket():
+                    raise
                 return []
             return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries
                           if e.get("type") == "directory")
@@ -195,15 +236,26 @@ class Storage:
         def rm() -> None:
             try:
                 self.fs.rm(self.path(key), recursive=recursive)
-            except FileNotFoundError:
-                pass
+            except FileNotFoundError as exc:
+                if no_such_bucket(exc):
+                    raise
 
         self._call(f"delete {key}", rm)
+
+    def _missing_bucket(self) -> bool:
+        """After a "not found": was it the bucket? (A HEAD answer has no body to say so.) Checked until the
+        bucket is seen once, so a mistyped bucket fails the first read instead of looking like a new run."""
+        if self._bucket_found:
+            return False
+        missing = _missing_bucket_of(self)
+        self._bucket_found = missing is False
+        return bool(missing)
 
     # -- retry ---------------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T], missing_is_error: bool = False) -> T:
         """Runs ``fn`` with retries. FileNotFoundError passes through for reads (a missing object is an
-        answer); for writes it means the bucket or folder is missing, a permanent error."""
+        answer); for writes, and for reads from a bucket that does not exist, it is a permanent error (else
+        a mistyped bucket would read as "no checkpoint yet" and a run would start over)."""
         r = self.retry
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
@@ -215,7 +267,7 @@ class Storage:
         try:
             return retrying(fn)
         except FileNotFoundError as exc:
-            if not missing_is_error:
+            if not missing_is_error and not no_such_bucket(exc) and not self._missing_bucket():
                 raise
             raise StorageError(f"{what} at {self.uri()} failed (permanent): no such bucket or folder ({exc}); "
                                f"create it or fix save_folder") from exc
@@ -223,6 +275,20 @@ class Storage:
             kind = "transient, retries exhausted" if is_transient(exc) else "permanent"
             raise StorageError(f"{what} at {self.uri()} failed ({kind}): "
                                f"{type(exc).__name__}: {exc}") from exc
+
+
+def _missing_bucket_of(storage: "Storage") -> bool | None:
+    """Asks the store whether ``storage``'s bucket is missing: only a NoSuchBucket answer says yes; None when
+    the question itself failed."""
+    try:
+        storage.fs.ls(storage.root, refresh=True)
+    except FileNotFoundError as exc:  # an empty prefix of an existing bucket reads as missing too
+        return no_such_bucket(exc)
+    except Exception:  # noqa: BLE001 - no evidence either way; the caller's answer stands
+        return None
+    finally:
+        storage.fs.invalidate_cache(storage.root)
+    return False
 
 
 def _log_retry(url: str, what: str, state: RetryCallState) -> None:

@@ -179,7 +179,8 @@ class CheckpointStore:
     def read_pointer(self) -> dict[str, Any] | None:
         try:
             raw = json.loads(self.storage.get(POINTER))
-            return {"name": str(raw["name"]), "generation": int(raw.get("generation", 0))}
+            # The name becomes a path: one like '../other-run/...' must not lead the reader out of this run.
+            return {"name": validate_name(str(raw["name"]), "latest name"), "generation": int(raw.get("generation", 0))}
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError) as exc:
@@ -256,7 +257,7 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         except ManifestError as exc:
-            log.warning("checkpoint %s/%s: %s", self.uri, name, exc)
+            log.warning("checkpoint %s: %s", self.storage.uri(self._key(name)), exc)
             return None
         return CheckpointInfo(name=name, uri=self.storage.uri(self._key(name)), manifest=manifest)
 

@@ -68,6 +68,13 @@ def make_config(tmp_path):
 
 
 # --- S3 over HTTP (moto server) ------------------------------------------------------------------
+MOTO_SECRET_KEY = "testing-secret-key"  # fake, but distinct enough to search files and logs for
+_AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": MOTO_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
+            # the user's AWS profile, token or endpoint must not leak into (or redirect) the tests
+            "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+_AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
 def _free_port() -> int:
     import socket
 
@@ -78,29 +85,34 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def moto_server():
-    """A real S3 endpoint over HTTP on a free loopback port, for the whole session (as s3fs's tests do)."""
+    """A real S3 endpoint over HTTP on a free loopback port, for the whole session (as s3fs's tests do),
+    with fake credentials in the environment until the session ends."""
     from moto.server import ThreadedMotoServer
 
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ[key] = value
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield port
-    server.stop()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in _AWS_ENV.items():
+            env.setenv(key, value)
+        for key in _AWS_UNSET:
+            env.delenv(key, raising=False)
+        port = _free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            yield port
+        finally:
+            server.stop()
 
 
 @pytest.fixture
 def s3(moto_server):
-    """A fresh bucket; yields (save_folder, storage_options) pointing s3fs at the moto server."""
+    """An empty moto and a fresh bucket; yields (save_folder, storage_options) pointing s3fs at the server."""
     import urllib.request
     import uuid
 
     import s3fs
 
     endpoint = f"http://127.0.0.1:{moto_server}"
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).read()
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30).read()
     s3fs.S3FileSystem.clear_instance_cache()
     options = {"client_kwargs": {"endpoint_url": endpoint}}
     bucket = f"b-{uuid.uuid4().hex[:12]}"

@@ -1,106 +1,203 @@
 """The store against S3 over HTTP through a fault-injecting proxy: transient faults are absorbed by our
-tenacity layer, permanent ones fail at once, credentials go nowhere, and async uploads never tear."""
+tenacity layer, permanent ones fail at once, credentials go nowhere, and async uploads never tear.
+
+s3fs and botocore retry some faults themselves; these tests turn that off (``no_library_retries``) so that
+what absorbs the faults is ``checkpointing.storage``, and they check that it did (its retry warnings).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import s3fs
 import torch
 
 from checkpointing import CheckpointStore, RetrySettings, StorageError, Writer
+from checkpointing.storage import Storage
 from flows.train import train
-from tests.faults import FaultProxy
+from tests.conftest import MOTO_SECRET_KEY
+from tests.faults import DROP, DROP_AFTER, FaultProxy, error_xml
 
 FAST_RETRY = RetrySettings(attempts=12, max_seconds=60, initial_wait=0.01, max_wait=0.1)
+RETRY_LOG = "checkpointing.storage"
 
 
 @pytest.fixture
 def no_library_retries(monkeypatch):
-    """s3fs and botocore retry some faults themselves; turn that off so that OUR retry layer is what is tested."""
+    """One attempt per request in s3fs (class attribute) and botocore (total_max_attempts includes the first)."""
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
-    return {"config_kwargs": {"retries": {"max_attempts": 1}}}
+    return {"config_kwargs": {"retries": {"total_max_attempts": 1}}}
 
 
 def through(proxy: FaultProxy, **extra) -> dict:
     return {"client_kwargs": {"endpoint_url": proxy.endpoint}, **extra}
 
 
-def test_twenty_percent_transient_faults_are_absorbed_and_every_checkpoint_verifies(s3, moto_server,
-                                                                                    no_library_retries):
-    folder, _ = s3
-    with FaultProxy(moto_server, fault_rate=0.2, seed=1) as proxy:
-        store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
-        for i in range(8):
-            store.save(f"c{i}", {"state.pt": {"w": torch.full((1000,), float(i))}}, progress={"samples_seen": i},
-                       writer=Writer.current(1))
-        assert [i.name for i in store.list()] == [f"c{i}" for i in range(8)]
-        assert all(store.check(i, deep=True) == [] for i in store.list())
-        assert torch.equal(store.load_latest().objects["state.pt"]["w"], torch.full((1000,), 7.0))
-        assert proxy.injected() >= 10  # the faults really happened
+def our_retries(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == RETRY_LOG and "retrying in" in r.getMessage()]
 
 
-def test_permanent_errors_fail_at_once_naming_the_operation(s3, moto_server, no_library_retries):
+TRANSIENT = {  # what a store or the network in front of it answers, that a retry cures
+    "503 SlowDown": (503, "application/xml", error_xml("SlowDown", "Please reduce your request rate.")),
+    "500 InternalError": (500, "application/xml", error_xml("InternalError", "We encountered an internal error.")),
+    "502 from a proxy, HTML": (502, "text/html", b"<html><body>Bad Gateway</body></html>"),
+    "504 without a body": (504, "text/plain", b""),
+    "429 TooManyRequests": (429, "application/xml", error_xml("TooManyRequests", "Too many requests")),
+    "400 RequestTimeout": (400, "application/xml", error_xml("RequestTimeout", "Your socket connection to the "
+                                                             "server was not read from within the timeout period.")),
+    "connection dropped": DROP,
+    "write landed, reply lost": DROP_AFTER,
+}
+PERMANENT = {  # ... and what no retry cures
+    "403 AccessDenied": (403, "application/xml", error_xml("AccessDenied", "Access Denied")),
+    "403 InvalidAccessKeyId": (403, "application/xml", error_xml("InvalidAccessKeyId", "The AWS Access Key Id you "
+                                                                 "provided does not exist in our records.")),
+    "400 InvalidArgument quoting 500": (400, "application/xml", error_xml("InvalidArgument", "Part 500 of "
+                                                                          "checkpoints/step-500 is invalid")),
+}
+
+
+PATTERN = {"put": r"PUT .*/runs/obj$", "get": r"(GET|HEAD) .*/runs/obj$"}  # get_hashed: HEAD, then GET
+# A HEAD answer has no body, so s3fs cannot tell a 4xx's code there; permanent errors are sent to the GET.
+PERMANENT_PATTERN = {"put": PATTERN["put"], "get": r"GET .*/runs/obj$"}
+
+
+def _do(storage: Storage, op: str) -> bytes:
+    if op == "put":
+        storage.put("obj", b"payload")
+    return storage.get_hashed("obj")[0]
+
+
+@pytest.mark.parametrize("op, fault", [(op, f) for op in PATTERN for f in TRANSIENT
+                                       if (op, f) != ("get", "400 RequestTimeout")])  # S3 sends that on uploads only
+def test_a_transient_fault_is_retried_by_our_layer_until_it_passes(s3, moto_server, no_library_retries, caplog,
+                                                                   op, fault):
     folder, _ = s3
     with FaultProxy(moto_server) as proxy:
-        proxy.deny = re.compile(r"PUT .*/checkpoints/c0/state\.pt")
-        store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
-        with pytest.raises(StorageError, match=r"put checkpoints/c0/state.pt at .* failed \(permanent\)"):
-            store.save("c0", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 1})
-        puts = [r for r in proxy.requests if r[0] == "PUT" and r[1].endswith("c0/state.pt")]
-        assert puts == [("PUT", puts[0][1], 403)]  # tried exactly once
+        storage = Storage(folder, through(proxy, **no_library_retries), FAST_RETRY)
+        storage.put("obj", b"payload")
+        proxy.forget()
+        proxy.script(PATTERN[op], TRANSIENT[fault], TRANSIENT[fault])
+        with caplog.at_level(logging.WARNING, logger=RETRY_LOG):
+            assert _do(storage, op) == b"payload"
+        status = TRANSIENT[fault] if isinstance(TRANSIENT[fault], int) else TRANSIENT[fault][0]
+        seen = proxy.seen(PATTERN[op])
+        assert seen[:2] == [status, status] and seen[-1] in (200, 206)  # two faults, then through
+        assert our_retries(caplog) and all(f"{op} obj failed" in m for m in our_retries(caplog))
 
-        proxy.deny = None
-        missing = CheckpointStore("s3://no-such-bucket-here/runs", "r", storage_options=through(proxy), retry=FAST_RETRY)
-        with pytest.raises(StorageError, match="no such bucket"):
-            missing.save("c0", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 1})
+
+@pytest.mark.parametrize("op", list(PATTERN))
+@pytest.mark.parametrize("fault", list(PERMANENT))
+def test_a_permanent_error_fails_at_once_naming_the_operation(s3, moto_server, no_library_retries, caplog, fault, op):
+    folder, _ = s3
+    with FaultProxy(moto_server) as proxy:
+        storage = Storage(folder, through(proxy, **no_library_retries), FAST_RETRY)
+        storage.put("obj", b"payload")
+        proxy.forget()
+        proxy.script(PERMANENT_PATTERN[op], PERMANENT[fault])
+        with caplog.at_level(logging.WARNING, logger=RETRY_LOG), pytest.raises(StorageError) as failed:
+            _do(storage, op)
+        assert re.search(rf"{op} obj at s3://.*/runs failed \(permanent\)", str(failed.value)), failed.value
+        assert proxy.seen(PERMANENT_PATTERN[op]) == [PERMANENT[fault][0]]  # asked once
+        assert our_retries(caplog) == []  # so no retry delay either
+
+
+def test_a_denied_write_fails_at_once_and_latest_stays_put(s3, moto_server, no_library_retries, caplog):
+    folder, _ = s3
+    with FaultProxy(moto_server) as proxy:
+        store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
+        store.save("c0", {"state.pt": {"w": torch.zeros(1)}}, progress={"samples_seen": 1})
+        proxy.deny = re.compile(r"PUT .*/checkpoints/c1/state\.pt")
+        with caplog.at_level(logging.WARNING, logger=RETRY_LOG):
+            with pytest.raises(StorageError, match=r"put checkpoints/c1/state.pt at .* failed \(permanent\): "
+                                                   r"PermissionError: Access Denied"):
+                store.save("c1", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 2})
+        assert proxy.seen(r"PUT .*/checkpoints/c1/state\.pt") == [403]
+        assert our_retries(caplog) == []
+        assert store.latest().name == "c0"
+
+
+def test_a_bucket_that_does_not_exist_fails_at_the_first_read_not_as_an_empty_run(moto_server, s3, no_library_retries,
+                                                                                  caplog):
+    with FaultProxy(moto_server) as proxy:
+        store = CheckpointStore("s3://no-such-bucket-here/runs", "r", storage_options=through(proxy, **no_library_retries),
+                                retry=FAST_RETRY)
+        with caplog.at_level(logging.WARNING, logger=RETRY_LOG):
+            with pytest.raises(StorageError, match=r"get latest at s3://no-such-bucket-here/runs/r failed \(permanent\)"
+                                                   r": no such bucket .*fix save_folder"):
+                store.latest()  # before the fix: None, and a run would silently start from scratch
+            with pytest.raises(StorageError, match="no such bucket"):
+                store.save("c0", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 1})
+        assert proxy.seen(r"HEAD /no-such-bucket-here/runs/r/latest$") == [404, 404]  # once per call: no retries
+        assert our_retries(caplog) == []
+
+
+def test_twenty_percent_transient_faults_are_absorbed_and_every_checkpoint_verifies(s3, moto_server,
+                                                                                    no_library_retries, caplog):
+    folder, _ = s3
+    with FaultProxy(moto_server, fault_rate=0.2, seed=1) as proxy, caplog.at_level(logging.WARNING, logger=RETRY_LOG):
+        store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
+        for i in range(5):
+            store.save(f"c{i}", {"state.pt": {"w": torch.full((1000,), float(i))}}, progress={"samples_seen": i},
+                       writer=Writer.current(1))
+            assert torch.equal(store.load_latest().objects["state.pt"]["w"], torch.full((1000,), float(i)))
+        assert [i.name for i in store.list()] == [f"c{i}" for i in range(5)]
+        assert all(store.check(i, deep=True) == [] for i in store.list())
+        assert proxy.injected() >= 10  # the faults really happened
+        assert len(our_retries(caplog)) >= 5  # and our layer, not a library's, absorbed them
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_full_training_run_completes_through_twenty_percent_faults(s3, moto_server, no_library_retries, make_config):
+def test_a_full_training_run_completes_through_twenty_percent_faults(s3, moto_server, no_library_retries, make_config,
+                                                                     caplog):
     folder, _ = s3
-    with FaultProxy(moto_server, fault_rate=0.2, seed=2) as proxy:
+    with FaultProxy(moto_server, fault_rate=0.2, seed=2) as proxy, caplog.at_level(logging.WARNING, logger=RETRY_LOG):
         config = make_config(save_folder=folder, storage_options=through(proxy, **no_library_retries),
-                             max_duration="4ep", store_retry_attempts=12)
+                             max_duration="4ep", store_retry_attempts=12, unit_retries=0)  # no Prefect retry to help
         result = train(config)
         assert (result.epoch, result.samples_seen) == (4, 4 * 256)
         store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
-        assert len(store.list()) == 4
+        assert [i.name for i in store.list()] == [u.checkpoint_name for u in result.units]
         assert all(store.check(i, deep=True) == [] for i in store.list())
-        assert proxy.injected() >= 5
+        assert proxy.injected() >= 5 and our_retries(caplog)
+
+
+def _files_holding(secret: str, *folders: Path) -> list[str]:
+    return [str(p) for folder in folders for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
-def test_credentials_in_storage_options_are_never_stored_or_logged(s3, moto_server, make_config, caplog):
+def test_credentials_are_never_stored_or_logged(s3, moto_server, make_config, caplog, tmp_path):
+    from prefect.settings import PREFECT_HOME, PREFECT_SERVER_DATABASE_CONNECTION_URL
+
     folder, options = s3
-    secret = "S3CR3T-never-store-me"
-    # moto accepts any key pair; a user might (unwisely) pass credentials this way.
+    secret = "S3CR3T-never-store-me"  # moto accepts any key pair; a user might (unwisely) pass one in the options
     config = make_config(save_folder=folder, max_duration="2ep",
                          storage_options={**options, "key": "AKIAEXAMPLEKEY", "secret": secret})
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="prefect")
     result = train(config)
+    assert result.epoch == 2
 
     fs = s3fs.S3FileSystem(**options)
-    for path in fs.find(folder):
-        assert secret.encode() not in fs.cat_file(path), path
-    assert secret not in caplog.text
-    from prefect import get_client
+    stored = {path: fs.cat_file(path) for path in fs.find(folder)}
+    assert any(p.endswith("/latest") for p in stored) and any(p.endswith("/manifest.json") for p in stored)
+    for leaked in (secret, MOTO_SECRET_KEY):  # the one in the options, the one in the environment
+        assert [p for p, data in stored.items() if leaked.encode() in data] == []
+        assert "unit" in caplog.text and leaked not in caplog.text  # the run's log lines were captured
+        assert leaked not in result.model_dump_json()
+        database = Path(PREFECT_SERVER_DATABASE_CONNECTION_URL.value().split(":///", 1)[1]).parent
+        assert list(database.glob("*.db"))  # the Prefect API's database: parameters, logs, artifacts, states
+        assert _files_holding(leaked, database, PREFECT_HOME.value()) == []
 
-    async def parameters():
-        async with get_client() as client:
-            runs = await client.read_flow_runs()
-            return [r.parameters for r in runs if r.name == config.run_name]
-
-    import asyncio
-
-    stored = asyncio.run(parameters())
-    assert stored and all(secret not in json.dumps(p, default=str) for p in stored)
-    assert result.epoch == 2
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -63,3 +64,36 @@ def test_a_uri_that_is_no_run_fails_with_one_clear_line(tmp_path):
     assert out.returncode == 1
     assert out.stderr.startswith("error: uri=") and "Traceback" not in out.stderr
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_verify_with_name_checks_only_that_checkpoint(run):
+    key = "checkpoints/ep2-ba16-sa512/state.pt"
+    run.storage.put(key, run.storage.get(key)[:-1])
+    good = cli("verify", run.uri, "--name", "ep3-ba24-sa768")
+    assert (good.returncode, good.stdout) == (0, "ep3-ba24-sa768: ok\n")
+    bad = cli("verify", run.uri, "--name", "ep2-ba16-sa512")
+    assert bad.returncode == 1 and bad.stdout.startswith("ep2-ba16-sa512: BAD: ep2-ba16-sa512/state.pt: size")
+    escape = cli("verify", run.uri, "--name", "../other")
+    assert escape.returncode == 1 and escape.stderr.startswith("error: --name='../other'")
+
+
+def test_on_s3_the_storage_options_are_used_and_never_printed(s3, tmp_path):
+    folder, options = s3
+    store = CheckpointStore(folder, "exp", storage_options=options)
+    store.save("ep1-ba8-sa256", {"state.pt": {"state": {"model": {"w": torch.full((4,), 7.0)}}}},
+               progress={"epoch": 1, "step": 8, "samples_seen": 256})
+    secret = "S3CR3T-in-the-options"
+    given = json.dumps({**options, "secret": "testing", "key": "testing", "token": secret})  # moto ignores the token
+
+    listed = cli("ls", store.uri, "--storage-options", given)  # after the command ...
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[1].split()[:4] == ["ep1-ba8-sa256", "1", "8", "256"]
+    exported = cli("--storage-options", given, "export", store.uri, str(tmp_path / "m.pt"))  # ... or before it
+    assert exported.returncode == 0, exported.stderr
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["model"]["w"], torch.full((4,), 7.0))
+
+    missing = cli("verify", "s3://no-such-bucket-here/exp", "--storage-options", given)
+    assert missing.returncode == 1 and "no such bucket" in missing.stderr
+    assert len(missing.stderr.splitlines()) == 1 and "Traceback" not in missing.stderr
+    for out in (listed, exported, missing):
+        assert secret not in out.stdout + out.stderr

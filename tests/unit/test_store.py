@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import pickle
 import uuid
 
+import fsspec
 import pytest
 import torch
 
-from checkpointing import CheckpointStore, UnsafeCheckpointError, Writer
+from checkpointing import CheckpointStore, CorruptCheckpointError, UnsafeCheckpointError, Writer
 from checkpointing.store import serialize
 
 
@@ -42,9 +44,9 @@ def test_saved_weights_round_trip_the_composer_way(backend):
     store = three_checkpoints(backend)
     assert [i.name for i in store.list()] == ["c0", "c1", "c2"]
     assert store.latest().name == "c2" and store.check("c2", deep=True) == []
-    raw = store.storage.get("checkpoints/c2/state.pt")
-    assert torch.equal(torch.load(__import__("io").BytesIO(raw), weights_only=True)["state"]["model"]["w"],
-                       torch.full((64,), 2.0))
+    folder, options = backend
+    with fsspec.open(f"{store.uri}/checkpoints/c2/state.pt", "rb", **(options or {})) as f:  # the state file's URL
+        assert torch.equal(torch.load(f, weights_only=True)["state"]["model"]["w"], torch.full((64,), 2.0))
     assert json.loads(store.storage.get("latest")) == {"name": "c2", "generation": 1}
 
 
@@ -55,6 +57,50 @@ def test_a_checkpoint_without_manifest_does_not_count(backend):
     assert store.latest().name == "c2"
 
 
+class ProcessDied(BaseException):
+    """Stands for the process dying mid-commit: nothing after it runs, no handler catches it."""
+
+
+def _spy_puts(store: CheckpointStore, monkeypatch, dies_at: str | None = None) -> list[str]:
+    """Records the keys the real ``Storage.put`` writes, in order; optionally dies before writing ``dies_at``."""
+    written, real_put = [], store.storage.put
+
+    def put(key: str, data: bytes) -> None:
+        if dies_at and key.endswith(dies_at):
+            raise ProcessDied(key)
+        real_put(key, data)
+        written.append(key)
+
+    monkeypatch.setattr(store.storage, "put", put)
+    return written
+
+
+def _save_c3(store: CheckpointStore) -> None:
+    store.save("c3", {"state.pt": {"state": {"model": {"w": torch.full((64,), 3.0)}}}, "rng-rank0.pt": {"x": 1}},
+               progress={"samples_seen": 30, "epoch": 3}, writer=Writer.current(1))
+
+
+def test_a_commit_writes_the_files_then_the_manifest_then_latest(backend, monkeypatch):
+    store = three_checkpoints(backend)
+    written = _spy_puts(store, monkeypatch)
+    _save_c3(store)
+    assert sorted(written[:2]) == ["checkpoints/c3/rng-rank0.pt", "checkpoints/c3/state.pt"]
+    assert written[2:] == ["checkpoints/c3/manifest.json", "latest"]
+
+
+@pytest.mark.parametrize("dies_at", ["manifest.json", "latest"])
+def test_a_commit_that_dies_midway_leaves_the_previous_checkpoint_in_charge(backend, monkeypatch, dies_at):
+    store = three_checkpoints(backend)
+    _spy_puts(store, monkeypatch, dies_at=dies_at)
+    with pytest.raises(ProcessDied):
+        _save_c3(store)
+    folder, options = backend
+    fresh = CheckpointStore(folder, "r", storage_options=options)  # what the next process sees
+    assert fresh.storage.exists("checkpoints/c3/state.pt")  # the files did land
+    assert ("c3" in [i.name for i in fresh.list()]) == (dies_at == "latest")  # counted only with a manifest
+    assert fresh.read_pointer()["name"] == "c2" and fresh.load_latest().info.name == "c2"
+
+
 CORRUPTIONS = {
     "truncated file": lambda st: st.put("checkpoints/c2/state.pt", st.get("checkpoints/c2/state.pt")[:-7]),
     "flipped byte": lambda st: st.put("checkpoints/c2/state.pt", _flip(st.get("checkpoints/c2/state.pt"))),
@@ -62,9 +108,13 @@ CORRUPTIONS = {
     "deleted manifest": lambda st: st.delete("checkpoints/c2/manifest.json"),
     "torn manifest": lambda st: st.put("checkpoints/c2/manifest.json", st.get("checkpoints/c2/manifest.json")[:40]),
 }
-WARNINGS = {"truncated file": "state.pt: size", "flipped byte": "does not match the manifest",
-            "deleted file": "rng-rank0.pt: missing", "deleted manifest": "no readable manifest.json",
-            "torn manifest": "unreadable manifest"}
+WARNINGS = {  # each names the checkpoint, the file and what is wrong with it
+    "truncated file": ["c2/state.pt: size"],
+    "flipped byte": ["skipping checkpoint c2", "checkpoints/c2/state.pt", "does not match the manifest"],
+    "deleted file": ["c2/rng-rank0.pt: missing"],
+    "deleted manifest": ["c2: no readable manifest.json"],
+    "torn manifest": ["checkpoints/c2: unreadable manifest"],
+}
 
 
 def _flip(data: bytes) -> bytes:
@@ -80,27 +130,51 @@ def test_a_corrupt_latest_falls_back_to_the_newest_good_checkpoint_with_a_warnin
         loaded = store.load_latest()
     assert loaded.info.name == "c1"
     assert torch.equal(model_of(loaded), torch.full((64,), 1.0))
-    assert WARNINGS[corruption] in caplog.text
+    assert all(words in caplog.text for words in WARNINGS[corruption]), caplog.text
 
 
-@pytest.mark.parametrize("pointer", [b'{"name": "does-not-exist", "generation": 1}', b"\x00garbage"])
+def test_a_flipped_byte_keeps_the_size_so_only_sha256_catches_it(backend):
+    store = three_checkpoints(backend)
+    CORRUPTIONS["flipped byte"](store.storage)
+    assert store.check("c2") == []  # the sizes still match
+    assert store.check("c2", deep=True) == ["c2/state.pt: sha256 mismatch"]
+    with pytest.raises(CorruptCheckpointError, match="c2/state.pt: .* does not match the manifest"):
+        store.load("c2")
+
+
+POINTERS = {  # what `latest` holds -> what the warning must name
+    b'{"name": "does-not-exist", "generation": 1}': "latest names does-not-exist",
+    b"\x00garbage": "latest is unreadable",
+    b'["c0"]': "latest is unreadable",
+    b'{"name": "../../other/checkpoints/o0", "generation": 9}': "latest name='../../other/checkpoints/o0'",
+}
+
+
+@pytest.mark.parametrize("pointer", list(POINTERS))
 def test_a_latest_pointer_to_nothing_is_replaced_by_listing(backend, pointer, caplog):
     store = three_checkpoints(backend)
+    if b"other" in pointer:  # a checkpoint of another run for the pointer to lead to
+        other = CheckpointStore(backend[0], "other", storage_options=backend[1])
+        other.save("o0", {"state.pt": {"state": {"model": {"w": torch.zeros(64)}}}}, progress={"samples_seen": 99})
     store.storage.put("latest", pointer)
     with caplog.at_level(logging.WARNING):
-        assert store.load_latest().info.name == "c2"
-    assert "does-not-exist" in caplog.text or "unreadable" in caplog.text
+        loaded = store.load_latest()
+    assert loaded.info.name == "c2" and torch.equal(model_of(loaded), torch.full((64,), 2.0))
+    assert POINTERS[pointer] in caplog.text
 
 
-def test_retention_keeps_exactly_n_and_never_the_one_latest_names(backend):
+@pytest.mark.parametrize("keep, kept", [(1, ["c0"]), (2, ["c0", "c2"]), (3, ["c0", "c1", "c2"])])
+def test_retention_keeps_exactly_n_and_never_the_one_latest_names(backend, keep, kept):
     store = three_checkpoints(backend)
     store.storage.put("latest", json.dumps({"name": "c0", "generation": 1}).encode())  # latest points back
-    deleted = store.prune(2)
-    assert sorted(deleted) == ["c1"]
-    assert [i.name for i in store.list()] == ["c0", "c2"]
+    deleted = store.prune(keep)
+    assert [i.name for i in store.list()] == kept  # the oldest, c0, stays: latest names it
+    assert sorted(deleted) == sorted({"c0", "c1", "c2"} - set(kept))
+    assert store.storage.exists("checkpoints/c1/state.pt") == ("c1" in kept)  # deleted: files and all
+    assert store.latest().name == "c0"
 
 
-class _Payload:
+class _RunsAShellCommand:
     def __init__(self, marker: str):
         self.marker = marker
 
@@ -108,18 +182,36 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("form", ["torch.save file", "raw pickle"])
-def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(backend, tmp_path, form):
+class _OpensAFile(_RunsAShellCommand):
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+PAYLOADS = {  # (how the file is written, the object whose unpickling would run code)
+    "torch.save + os.system": (lambda obj: serialize({"f": obj})["f"], _RunsAShellCommand),
+    "torch.save + builtins.open": (lambda obj: serialize({"f": obj})["f"], _OpensAFile),
+    "raw pickle + os.system": (pickle.dumps, _RunsAShellCommand),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the raw pickle's protocol, not a torch.save one
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(backend, tmp_path, payload):
     folder, options = backend
     store = CheckpointStore(folder, "r", storage_options=options)
+    write, evil = PAYLOADS[payload]
     marker = tmp_path / "pwned"
-    payload = {"state": {"model": _Payload(str(marker))}}
-    data = serialize({"f": payload})["f"] if form == "torch.save file" else pickle.dumps(payload)
+    data = write({"state": {"model": evil(str(marker))}})
     store.commit("evil", {"state.pt": data}, progress={"samples_seen": 1})  # a valid manifest vouches for it
     assert store.check("evil", deep=True) == []
-    with pytest.raises(UnsafeCheckpointError, match="refusing it"):
+    with pytest.raises(UnsafeCheckpointError, match=r"evil/state.pt holds objects that only an unsafe unpickler"):
         store.load("evil")
+    with pytest.raises(UnsafeCheckpointError):
+        store.load_latest()
     assert not marker.exists()
+    # The payload is real: an unsafe load of the same bytes does run it.
+    torch.load(io.BytesIO(data), weights_only=False) if payload.startswith("torch") else pickle.loads(data)
+    assert marker.exists()
 
 
 @pytest.mark.parametrize("name", ["../x", "/abs", "a/b", "..", ""])
