@@ -33,11 +33,13 @@ test-fast: install
 s3: install
 	$(PY) -m deployments.local_s3
 
-# Benchmarks: each prints its figures and appends them to bench/RESULTS.md. One of them: make bench BENCH=overhead
+# Benchmarks (bench/README.md): each prints its figures and appends them to bench/RESULTS.md.
+# One of them: make bench BENCH=overhead; with its flags: make bench BENCH=overhead BENCH_ARGS="--reps 3"
 BENCH ?= all
+BENCH_ARGS ?=
 bench: install
 	$(PIP) install -q -c constraints.txt -e '.[test,bench]'
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m bench $(BENCH)
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m bench $(BENCH) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

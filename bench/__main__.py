@@ -1,4 +1,7 @@
-"""python -m bench [all|skip|store|overhead|resume|peer]: runs benchmarks, appends to bench/RESULTS.md."""
+"""python -m bench [all | NAME ...] [flags of one NAME]: runs benchmarks, appends their figures to bench/RESULTS.md.
+
+    python -m bench overhead --help      # a benchmark's flags (longer runs, other sizes, profiling)
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,17 @@ BENCHES = {"skip": "bench.skip_cost", "store": "bench.store_throughput", "overhe
 
 
 def main(argv: list[str]) -> int:
-    names = argv or ["all"]
+    first_flag = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
+    names, flags = argv[:first_flag] or ["all"], argv[first_flag:]
     chosen = list(BENCHES) if names == ["all"] else names
     unknown = [n for n in chosen if n not in BENCHES]
-    if unknown:
-        print(f"error: unknown benchmark(s) {unknown}: choose from all, {', '.join(BENCHES)}", file=sys.stderr)
+    if unknown or (flags and len(chosen) != 1):
+        print(f"usage: python -m bench [all | NAME ...] [flags of one NAME]; NAME is one of {', '.join(BENCHES)}"
+              + (f"; unknown: {', '.join(unknown)}" if unknown else "; flags go with a single benchmark"),
+              file=sys.stderr)
         return 2
     for name in chosen:
-        importlib.import_module(BENCHES[name]).run()
+        importlib.import_module(BENCHES[name]).main(flags)
     return 0
 
 
