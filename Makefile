@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench s3 clean
+.PHONY: install demo test test-fast lint format bench s3 clean
 
 install: $(STAMP)
 
@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(PIP) install -q -c constraints.txt -e '.[test,lint]'
 	touch $(STAMP)
 
 # Trains the digits recipe into ./runs/demo with one injected fault, which Prefect
@@ -25,6 +25,15 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# Lint, format check and types (CI runs it before the tests). `make format` rewrites files in place.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -1,6 +1,6 @@
 """python -m bench [all | NAME ...] [flags of one NAME]: runs benchmarks, appends their figures to bench/RESULTS.md.
 
-    python -m bench overhead --help      # a benchmark's flags (longer runs, other sizes, profiling)
+python -m bench overhead --help      # a benchmark's flags (longer runs, other sizes, profiling)
 """
 
 from __future__ import annotations
@@ -8,8 +8,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = {"skip": "bench.skip_cost", "store": "bench.store_throughput", "overhead": "bench.overhead",
-           "resume": "bench.resume_latency", "peer": "bench.peer_lightning"}
+BENCHES = {
+    "skip": "bench.skip_cost",
+    "store": "bench.store_throughput",
+    "overhead": "bench.overhead",
+    "resume": "bench.resume_latency",
+    "peer": "bench.peer_lightning",
+}
 
 
 def main(argv: list[str]) -> int:
@@ -18,9 +23,11 @@ def main(argv: list[str]) -> int:
     chosen = list(BENCHES) if names == ["all"] else names
     unknown = [n for n in chosen if n not in BENCHES]
     if unknown or (flags and len(chosen) != 1):
-        print(f"usage: python -m bench [all | NAME ...] [flags of one NAME]; NAME is one of {', '.join(BENCHES)}"
-              + (f"; unknown: {', '.join(unknown)}" if unknown else "; flags go with a single benchmark"),
-              file=sys.stderr)
+        print(
+            f"usage: python -m bench [all | NAME ...] [flags of one NAME]; NAME is one of {', '.join(BENCHES)}"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else "; flags go with a single benchmark"),
+            file=sys.stderr,
+        )
         return 2
     for name in chosen:
         importlib.import_module(BENCHES[name]).main(flags)

@@ -23,8 +23,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 OUT = Path(__file__).with_name("out")  # profiles and scratch files (git-ignored)
-NOISE = ("Shared machine: 2 cores used by other engineers' builds and tests while this ran (load average "
-         "{load}); ratios come from variants alternated within this one run, medians of the repetitions.")
+NOISE = (
+    "Shared machine: 2 cores used by other engineers' builds and tests while this ran (load average "
+    "{load}); ratios come from variants alternated within this one run, medians of the repetitions."
+)
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -33,9 +35,11 @@ def machine() -> str:
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} cores, "
-            f"{mem:.0f} GiB; Python {platform.python_version()}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), prefect {prefect.__version__}")
+    return (
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} cores, "
+        f"{mem:.0f} GiB; Python {platform.python_version()}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), prefect {prefect.__version__}"
+    )
 
 
 def load_average() -> str:
@@ -50,8 +54,16 @@ def command_line() -> str:
 
 def record(title: str, lines: list[str], load_at_start: str) -> None:
     """Prints the figures and appends them, with the command and machine facts, to bench/RESULTS.md."""
-    block = [f"## {title}", "", f"{command_line()} — {machine()}", "",
-             NOISE.format(load=f"{load_at_start} at start, {load_average()} at end"), "", *lines, ""]
+    block = [
+        f"## {title}",
+        "",
+        f"{command_line()} — {machine()}",
+        "",
+        NOISE.format(load=f"{load_at_start} at start, {load_average()} at end"),
+        "",
+        *lines,
+        "",
+    ]
     print("\n".join(block), flush=True)
     with RESULTS.open("a") as f:
         f.write("\n".join(block) + "\n")
@@ -80,8 +92,9 @@ def rotated(items: list, rep: int) -> list:
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"python -m bench {name}", description=description,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=f"python -m bench {name}", description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
 
 
 # -- environment ----------------------------------------------------------------------------------
@@ -122,8 +135,13 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)
 ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False).start()
 threading.Event().wait()
 """
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
 
 
 class LocalS3:
@@ -139,8 +157,9 @@ class LocalS3:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.options = {"client_kwargs": {"endpoint_url": self.endpoint}}
-        self._proc = subprocess.Popen([sys.executable, "-c", _MOTO, str(self.port)], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _MOTO, str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -155,8 +174,9 @@ class LocalS3:
         """Empties the server (frees the memory of earlier runs) and creates bucket ``name``: its URL."""
         import s3fs
 
-        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST"),
-                               timeout=60).read()
+        urllib.request.urlopen(
+            urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST"), timeout=60
+        ).read()
         s3fs.S3FileSystem.clear_instance_cache()
         s3fs.S3FileSystem(**self.options).mkdir(name)
         return f"s3://{name}"
@@ -188,7 +208,7 @@ class LogRecorder(logging.Handler):
         self.records: list[tuple[float, str]] = []
         self._loggers = [logging.getLogger(n) for n in names]
 
-    def __enter__(self) -> "LogRecorder":
+    def __enter__(self) -> LogRecorder:
         for logger in self._loggers:
             logger.addHandler(self)
             if logger.getEffectiveLevel() > logging.INFO:
@@ -271,4 +291,3 @@ def children_cpu(exclude: set[int] = frozenset()) -> float:
         if p == me and not (chain & set(exclude)):
             total += _proc_cpu(f"/proc/{pid}/stat")
     return total
-

@@ -58,16 +58,24 @@ def lightning_run(args: dict, batch: int, epochs_first: int, epochs_total: int) 
 
         def configure_optimizers(self):
             optimizer = recipe.build_optimizer(self.net)
-            return {"optimizer": optimizer,
-                    "lr_scheduler": {"scheduler": recipe.build_scheduler(optimizer), "interval": "step"}}
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": recipe.build_scheduler(optimizer), "interval": "step"},
+            }
 
     folder = scratch("lightning-")
 
     def fit(epochs: int, resume: bool) -> None:
         torch.manual_seed(1)
-        trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False,
-                             callbacks=[ModelCheckpoint(dirpath=folder, save_last=True, every_n_epochs=1)])
+        trainer = pl.Trainer(
+            max_epochs=epochs,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=folder, save_last=True, every_n_epochs=1)],
+        )
         loader = DataLoader(recipe.train_dataset(), batch_size=batch, shuffle=True)
         trainer.fit(Module(), loader, ckpt_path="last" if resume else None)
 
@@ -82,8 +90,15 @@ def our_run(args: dict, batch: int, epochs_first: int, epochs_total: int) -> flo
     from flows.train import TrainConfig, train
     from training.session import forget_warm_state
 
-    common = dict(run_name=f"p{uuid.uuid4().hex[:8]}", save_folder=scratch("ours-"),
-                  recipe=RECIPE, recipe_args=args, save_interval="1ep", global_batch_size=batch, seed=1)
+    common = dict(
+        run_name=f"p{uuid.uuid4().hex[:8]}",
+        save_folder=scratch("ours-"),
+        recipe=RECIPE,
+        recipe_args=args,
+        save_interval="1ep",
+        global_batch_size=batch,
+        seed=1,
+    )
     forget_warm_state()
     t0 = time.perf_counter()
     train(TrainConfig(max_duration=f"{epochs_first}ep", **common))
@@ -100,8 +115,9 @@ def server_start_seconds(api_url: str, reps: int = 2) -> tuple[float, float, flo
     for rep in range(reps):
         for mode in rotated(["ephemeral", "server"], rep):
             e = env if mode == "ephemeral" else {**env, "PREFECT_API_URL": api_url}
-            out = subprocess.run([sys.executable, "-c", _NOOP_FLOW], env=e, capture_output=True, text=True,
-                                 timeout=300, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-c", _NOOP_FLOW], env=e, capture_output=True, text=True, timeout=300, check=True
+            ).stdout
             times[mode].append(float(out.strip().splitlines()[-1]))
     eph, srv = median(times["ephemeral"]), median(times["server"])
     return eph, srv, eph - srv
@@ -127,10 +143,12 @@ def main(argv: list[str]) -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     args = {"num_samples": a.samples, "hidden": a.hidden, "num_layers": a.layers, "eval_samples": 32}
-    variants = [("ours", "full", our_run, (a.epochs, a.epochs)),
-                ("Lightning", "full", lightning_run, (a.epochs, a.epochs)),
-                ("ours", "resume", our_run, (a.stop_at, a.epochs)),
-                ("Lightning", "resume", lightning_run, (a.stop_at, a.epochs))]
+    variants = [
+        ("ours", "full", our_run, (a.epochs, a.epochs)),
+        ("Lightning", "full", lightning_run, (a.epochs, a.epochs)),
+        ("ours", "resume", our_run, (a.stop_at, a.epochs)),
+        ("Lightning", "resume", lightning_run, (a.stop_at, a.epochs)),
+    ]
     times: dict[tuple[str, str], list[float]] = {}
     with prefect_test_harness(server_startup_timeout=180):
         small = {**args, "hidden": 8}
@@ -145,22 +163,32 @@ def main(argv: list[str]) -> None:
 
 def _report(a, times, ephemeral: float, with_server: float, server: float, load: str) -> None:
     mb = 2 * parameter_bytes({"hidden": a.hidden, "num_layers": a.layers}) / 1e6
-    lines = [f"Synthetic MLP hidden {a.hidden} x {a.layers} (checkpoint ~{mb:.0f} MB with SGD momentum), "
-             f"{a.samples} samples, batch {a.batch}, {a.epochs} epochs, a checkpoint per epoch to a local folder; "
-             f"stop + resume = {a.stop_at} epochs, then a new run (ours: a new flow run, cold; Lightning: a new "
-             f"Trainer with ckpt_path='last') to {a.epochs}. {a.reps} alternating repetitions, medians (min-max).", "",
-             "| | ours s | Lightning s | ours / Lightning, server running (goal <= 1.0) "
-             "| ours / Lightning, with server start |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Synthetic MLP hidden {a.hidden} x {a.layers} (checkpoint ~{mb:.0f} MB with SGD momentum), "
+        f"{a.samples} samples, batch {a.batch}, {a.epochs} epochs, a checkpoint per epoch to a local folder; "
+        f"stop + resume = {a.stop_at} epochs, then a new run (ours: a new flow run, cold; Lightning: a new "
+        f"Trainer with ckpt_path='last') to {a.epochs}. {a.reps} alternating repetitions, medians (min-max).",
+        "",
+        "| | ours s | Lightning s | ours / Lightning, server running (goal <= 1.0) "
+        "| ours / Lightning, with server start |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for what, label, starts in [("full", "full run", 1), ("resume", "stop + resume", 2)]:
         ours, peer = times[("ours", what)], times[("Lightning", what)]
         r = median(ours) / median(peer)
         r_start = (median(ours) + starts * server) / median(peer)
-        lines.append(f"| {label} | {spread(ours, '{:.1f}')} | {spread(peer, '{:.1f}')} | {r:.2f} "
-                     f"({'met' if r <= 1 else 'missed'}) | {r_start:.2f} ({'met' if r_start <= 1 else 'missed'}) |")
-    lines += ["", f"Server start: a no-op flow in a fresh process takes {ephemeral:.1f} s without a server "
-                  f"(`python -m flows.train` starts an ephemeral one) and {with_server:.1f} s against a running "
-                  f"server: {server:.1f} s per process, added once for a full run and twice for stop + resume. "
-                  "Imports are in neither column (both sides run in this process).",
-              "", "Lightning as configured (`save_last=True`, not `'link'`) writes each epoch's checkpoint twice, the "
-                  "top-k file and last.ckpt; ours writes it once."]
+        lines.append(
+            f"| {label} | {spread(ours, '{:.1f}')} | {spread(peer, '{:.1f}')} | {r:.2f} "
+            f"({'met' if r <= 1 else 'missed'}) | {r_start:.2f} ({'met' if r_start <= 1 else 'missed'}) |"
+        )
+    lines += [
+        "",
+        f"Server start: a no-op flow in a fresh process takes {ephemeral:.1f} s without a server "
+        f"(`python -m flows.train` starts an ephemeral one) and {with_server:.1f} s against a running "
+        f"server: {server:.1f} s per process, added once for a full run and twice for stop + resume. "
+        "Imports are in neither column (both sides run in this process).",
+        "",
+        "Lightning as configured (`save_last=True`, not `'link'`) writes each epoch's checkpoint twice, the "
+        "top-k file and last.ckpt; ours writes it once.",
+    ]
     record("Peer: PyTorch Lightning (goal: ours / Lightning <= 1.0)", lines, load)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -25,8 +26,9 @@ import training.session as session_module
 from checkpointing.store import CheckpointInfo, CorruptCheckpointError, LoadedCheckpoint, safe_load
 
 
-def load_hashing_while_unpickling(self, checkpoint: str | CheckpointInfo,
-                                  files: Iterable[str] | None = None) -> LoadedCheckpoint:
+def load_hashing_while_unpickling(
+    self, checkpoint: str | CheckpointInfo, files: Iterable[str] | None = None
+) -> LoadedCheckpoint:
     info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self._info(checkpoint)
     if info is None:
         raise CorruptCheckpointError(f"{self.uri}/{store_module.CHECKPOINTS}/{checkpoint}: no readable manifest")
@@ -45,7 +47,7 @@ def load_hashing_while_unpickling(self, checkpoint: str | CheckpointInfo,
         digest = store_module._HASHER.submit(lambda d=data: hashlib.sha256(d).hexdigest())
         try:
             obj, error = safe_load(data, f"{info.uri}/{fname}"), None
-        except Exception as exc:  # noqa: BLE001 - a corrupt file may fail to unpickle: the hash decides what it is
+        except Exception as exc:
             obj, error = None, exc
         if digest.result() != entry.sha256:
             raise CorruptCheckpointError(f"{info.uri}/{fname}: sha256 does not match the manifest")

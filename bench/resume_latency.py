@@ -27,9 +27,21 @@ from bench.common import load_average, local_s3, parser, record, rotated, scratc
 
 RECIPE = "recipes.synthetic:SyntheticRecipe"
 _TS = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) \|")
-PARTS = ["interpreter start", "imports", "config + recipe check", "Prefect start", "flow planning (latest, claim, "
-         "progress artifact)", "task start", "build model + optimizer", "checkpoint resolve", "download + sha256",
-         "unpickle (weights_only)", "state restore (load_state_dict, RNG)", "data seek + first batch", "first step"]
+PARTS = [
+    "interpreter start",
+    "imports",
+    "config + recipe check",
+    "Prefect start",
+    "flow planning (latest, claim, progress artifact)",
+    "task start",
+    "build model + optimizer",
+    "checkpoint resolve",
+    "download + sha256",
+    "unpickle (weights_only)",
+    "state restore (load_state_dict, RNG)",
+    "data seek + first batch",
+    "first step",
+]
 
 
 class Run:
@@ -41,9 +53,28 @@ class Run:
 
     def flags(self) -> list[str]:
         self.steps += 1
-        flags = ["--run_name", self.name, "--save_folder", self.folder, "--recipe", RECIPE, "--recipe_args",
-                 json.dumps(self.args), "--max_duration", f"{self.steps}ba", "--save_interval", "1000ba",
-                 "--global_batch_size", "32", "--seed", "1", "--log_every_n_steps", "1", "--unit_retries", "0"]
+        flags = [
+            "--run_name",
+            self.name,
+            "--save_folder",
+            self.folder,
+            "--recipe",
+            RECIPE,
+            "--recipe_args",
+            json.dumps(self.args),
+            "--max_duration",
+            f"{self.steps}ba",
+            "--save_interval",
+            "1000ba",
+            "--global_batch_size",
+            "32",
+            "--seed",
+            "1",
+            "--log_every_n_steps",
+            "1",
+            "--unit_retries",
+            "0",
+        ]
         return flags + (["--storage_options", json.dumps(self.options)] if self.options else [])
 
 
@@ -51,9 +82,19 @@ def _train_first(run: Run) -> None:
     """The checkpoint to resume from, trained in this process (against the running test server)."""
     from flows.train import TrainConfig, train
 
-    train(TrainConfig(run_name=run.name, save_folder=run.folder, storage_options=run.options, recipe=RECIPE,
-                      recipe_args=run.args, max_duration=f"{run.steps}ba", save_interval="1000ba",
-                      global_batch_size=32, seed=1))
+    train(
+        TrainConfig(
+            run_name=run.name,
+            save_folder=run.folder,
+            storage_options=run.options,
+            recipe=RECIPE,
+            recipe_args=run.args,
+            max_duration=f"{run.steps}ba",
+            save_interval="1000ba",
+            global_batch_size=32,
+            seed=1,
+        )
+    )
 
 
 def relaunch(run: Run, env: dict) -> dict[str, float]:
@@ -67,15 +108,22 @@ def relaunch(run: Run, env: dict) -> dict[str, float]:
         m = json.load(f)
     os.unlink(marks_file)
     first = lambda k: m[k][0]  # noqa: E731
-    total = lambda k: sum(o - i for i, o in zip(m[f"{k} in"], m[f"{k} out"]))  # noqa: E731
-    parts = [first("probe start") - t_launch, first("imports done") - first("probe start"),
-             first("load recipe out") - first("imports done"), first("flow body in") - first("load recipe out"),
-             first("unit task in") - first("flow body in"), first("run unit in") - first("unit task in"),
-             first("load into in") - first("run unit in"), first("load in") - first("load into in"),
-             total("read+verify"), total("unpickle")]
+    total = lambda k: sum(o - i for i, o in zip(m[f"{k} in"], m[f"{k} out"], strict=False))  # noqa: E731
+    parts = [
+        first("probe start") - t_launch,
+        first("imports done") - first("probe start"),
+        first("load recipe out") - first("imports done"),
+        first("flow body in") - first("load recipe out"),
+        first("unit task in") - first("flow body in"),
+        first("run unit in") - first("unit task in"),
+        first("load into in") - first("run unit in"),
+        first("load in") - first("load into in"),
+        total("read+verify"),
+        total("unpickle"),
+    ]
     parts.append(first("restore out") - first("load in") - parts[-2] - parts[-1])  # apply state and the rest
     parts += [first("step in") - first("restore out"), first("step out") - first("step in")]
-    out = dict(zip(PARTS, parts))
+    out = dict(zip(PARTS, parts, strict=False))
     out["total"] = first("step out") - t_launch
     out.update(_from_log(proc.stdout, t_launch))
     return out
@@ -100,16 +148,23 @@ def _from_log(output: str, t_launch: float) -> dict[str, float]:
         if os.environ.get("BENCH_DEBUG"):
             print(output, file=sys.stderr)
         return {}
-    return {"log: launch -> flow run begins": marks["flow"] - t_launch,
-            "log: flow run begins -> unit resumed": marks["resumed"] - marks["flow"],
-            "log: unit resumed -> first step logged": marks["step"] - marks["resumed"],
-            "log: total": marks["step"] - t_launch}
+    return {
+        "log: launch -> flow run begins": marks["flow"] - t_launch,
+        "log: flow run begins -> unit resumed": marks["resumed"] - marks["flow"],
+        "log: unit resumed -> first step logged": marks["step"] - marks["resumed"],
+        "log: total": marks["step"] - t_launch,
+    }
 
 
 def import_breakdown(top: int = 7) -> tuple[float, list[tuple[str, float]]]:
     """``python -X importtime``: total of ``import flows.train`` and its largest top-level packages."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import flows.train"], capture_output=True,
-                          text=True, timeout=300, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import flows.train"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     rows = []
     for line in proc.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
@@ -144,8 +199,10 @@ def main(argv: list[str]) -> None:
             base_env.pop(key, None)
         server_env = {**base_env, "PREFECT_API_URL": PREFECT_API_URL.value()}
         local = Run(scratch("resume-"), {}, args, steps=2)
-        modes = {"ephemeral server, local folder": (local, base_env),
-                 "running server, local folder": (local, server_env)}
+        modes = {
+            "ephemeral server, local folder": (local, base_env),
+            "running server, local folder": (local, server_env),
+        }
         if not a.no_s3:
             modes["running server, S3 (moto)"] = (Run(s3.fresh_bucket("bench-resume"), s3.options, args, 2), server_env)
         for run in {id(r): r for r, _ in modes.values()}.values():
@@ -164,27 +221,42 @@ def _report(a, times, first_ephemeral, imports_total, packages, load) -> None:
 
     mb = 2 * parameter_bytes({"hidden": a.hidden, "num_layers": a.layers}) / 1e6
     modes = list(times)
-    lines = [f"A run of the synthetic MLP hidden {a.hidden} x {a.layers} (checkpoint ~{mb:.0f} MB: weights + SGD "
-             f"momentum) relaunched with `python -m flows.train` to train one more step; {a.reps} relaunches per "
-             "mode, alternating, medians (min-max). Split by `bench.resume_probe` (wraps product functions from "
-             "outside; nothing in the product edited).", "",
-             "| part, seconds | " + " | ".join(modes) + " |", "| --- |" + " --- |" * len(modes)]
-    for part in PARTS + ["total"]:
+    lines = [
+        f"A run of the synthetic MLP hidden {a.hidden} x {a.layers} (checkpoint ~{mb:.0f} MB: weights + SGD "
+        f"momentum) relaunched with `python -m flows.train` to train one more step; {a.reps} relaunches per "
+        "mode, alternating, medians (min-max). Split by `bench.resume_probe` (wraps product functions from "
+        "outside; nothing in the product edited).",
+        "",
+        "| part, seconds | " + " | ".join(modes) + " |",
+        "| --- |" + " --- |" * len(modes),
+    ]
+    for part in [*PARTS, "total"]:
         cells = [spread([t[part] for t in times[m]]) for m in modes]
-        lines.append(f"| {'**total: launch -> first resumed step done**' if part == 'total' else part} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {'**total: launch -> first resumed step done**' if part == 'total' else part} | "
+            + " | ".join(cells)
+            + " |"
+        )
     log_keys = [k for k in times[modes[0]][0] if k.startswith("log: ")]
     if log_keys:
-        lines += ["", "The same relaunches, split only by the timestamps of the product's log lines (a cross-check):",
-                  "",
-                  "| part, seconds | " + " | ".join(modes) + " |", "| --- |" + " --- |" * len(modes)]
+        lines += [
+            "",
+            "The same relaunches, split only by the timestamps of the product's log lines (a cross-check):",
+            "",
+            "| part, seconds | " + " | ".join(modes) + " |",
+            "| --- |" + " --- |" * len(modes),
+        ]
         for k in log_keys:
-            lines.append(f"| {k[5:]} | " + " | ".join(spread([t.get(k, float('nan')) for t in times[m]])
-                                                     for m in modes) + " |")
-    lines += ["", f"First relaunch on a fresh PREFECT_HOME (the ephemeral server creates its database): "
-                  f"Prefect start {first_ephemeral['Prefect start']:.1f} s, total {first_ephemeral['total']:.1f} s.",
-              "", f"`python -X importtime -c \"import flows.train\"`: {imports_total:.2f} s in all (importtime itself "
-                  "slows imports); the largest third-party packages, each as first imported (a package that another "
-                  "one imports is inside that one's figure too): "
-                  + ", ".join(f"{n} {c:.2f} s" for n, c in packages) + "."]
+            lines.append(
+                f"| {k[5:]} | " + " | ".join(spread([t.get(k, float("nan")) for t in times[m]]) for m in modes) + " |"
+            )
+    lines += [
+        "",
+        f"First relaunch on a fresh PREFECT_HOME (the ephemeral server creates its database): "
+        f"Prefect start {first_ephemeral['Prefect start']:.1f} s, total {first_ephemeral['total']:.1f} s.",
+        "",
+        f'`python -X importtime -c "import flows.train"`: {imports_total:.2f} s in all (importtime itself '
+        "slows imports); the largest third-party packages, each as first imported (a package that another "
+        "one imports is inside that one's figure too): " + ", ".join(f"{n} {c:.2f} s" for n, c in packages) + ".",
+    ]
     record("Resume latency: relaunch -> first resumed step", lines, load)

@@ -7,7 +7,7 @@ or tasks/ is modified. The first marks are taken before anything heavy is import
 
 import time
 
-_T0 = time.time()  # noqa: E402 - before any other import: the process's own clock starts here
+_T0 = time.time()
 
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -36,7 +36,7 @@ def _wrap(owner, attr: str, name: str) -> None:
 
 
 def main() -> int:
-    out, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
+    out, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1 :]
     import flows.train  # everything the relaunch imports before it can do anything
 
     _mark("imports done")
@@ -45,17 +45,17 @@ def main() -> int:
     import training.session
     from checkpointing.storage import Storage
 
-    _wrap(flows.train, "load_recipe", "load recipe")            # main(): checks the recipe before Prefect starts
-    _wrap(flows.train, "check_restart_cap", "flow body")         # the flow body's first call
-    _wrap(flows.train, "unit_task", "unit task")                 # after planning: latest, claim, progress artifact
+    _wrap(flows.train, "load_recipe", "load recipe")  # main(): checks the recipe before Prefect starts
+    _wrap(flows.train, "check_restart_cap", "flow body")  # the flow body's first call
+    _wrap(flows.train, "unit_task", "unit task")  # after planning: latest, claim, progress artifact
     _wrap(sys.modules["tasks.train_unit"], "run_unit", "run unit")  # the task body (the package shadows the module)
-    _wrap(training.session, "restore", "restore")                # build + load
+    _wrap(training.session, "restore", "restore")  # build + load
     _wrap(training.session, "_load_into", "load into")
-    _wrap(checkpointing.store.CheckpointStore, "load", "load")   # after resolving which checkpoint
-    _wrap(Storage, "get_hashed", "read+verify")                  # download + sha256 of one file
+    _wrap(checkpointing.store.CheckpointStore, "load", "load")  # after resolving which checkpoint
+    _wrap(Storage, "get_hashed", "read+verify")  # download + sha256 of one file
     _wrap(checkpointing.store, "safe_load", "unpickle")
-    _wrap(training.session, "_apply", "apply state")             # load_state_dict, RNG, progress
-    _wrap(training.loop, "_loader", "loader")                    # sampler (the epoch's order) + DataLoader
+    _wrap(training.session, "_apply", "apply state")  # load_state_dict, RNG, progress
+    _wrap(training.loop, "_loader", "loader")  # sampler (the epoch's order) + DataLoader
     _wrap(training.loop, "_step", "step")
     try:
         return flows.train.main(argv)

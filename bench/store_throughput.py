@@ -40,8 +40,14 @@ def checkpoint_objects(hidden: int, layers: int) -> dict:
     recipe.loss(model, batch).backward()
     optimizer.step()
     scheduler.step()  # one step: the momentum buffers exist, as in every checkpoint after the first step
-    state = {"state": {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                       "scheduler": scheduler.state_dict()}, "progress": {"step": 1}}
+    state = {
+        "state": {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        },
+        "progress": {"step": 1},
+    }
     return {STATE_FILE: state, "rng-rank0.pt": rng.capture()}
 
 
@@ -52,8 +58,15 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _pairs(folder: str, options: dict | None, objects: dict, blobs: dict[str, bytes], reps: int,
-           first_rep: int = 0, prototype: bool = False) -> dict[str, list]:
+def _pairs(
+    folder: str,
+    options: dict | None,
+    objects: dict,
+    blobs: dict[str, bytes],
+    reps: int,
+    first_rep: int = 0,
+    prototype: bool = False,
+) -> dict[str, list]:
     fs, root = fsspec.core.url_to_fs(folder, **(options or {}))
     root = root.rstrip("/")
     out: dict[str, list[float]] = {}
@@ -87,12 +100,16 @@ def _pairs(folder: str, options: dict | None, objects: dict, blobs: dict[str, by
         steps = {
             "save": [("store", lambda: store.save("a", objects, progress=progress, writer=writer)), ("raw", raw_save)]
             + ([("prototype", prototype_save)] if prototype else []),
-            "commit": [("store", lambda: store.commit("b", blobs, progress=progress, writer=writer)),
-                       ("raw", lambda: [fs.pipe_file(f"{raw}/b/{f}", b) for f, b in blobs.items()])],
+            "commit": [
+                ("store", lambda: store.commit("b", blobs, progress=progress, writer=writer)),
+                ("raw", lambda: [fs.pipe_file(f"{raw}/b/{f}", b) for f, b in blobs.items()]),
+            ],
             "load": [("store", lambda: store.load_latest(FILES)), ("raw", raw_load)]
             + ([("prototype", prototype_load)] if prototype else []),
-            "read": [("store", lambda: storage.get_hashed(f"checkpoints/b/{STATE_FILE}")),
-                     ("raw", lambda: fs.cat_file(f"{raw}/b/{STATE_FILE}"))],
+            "read": [
+                ("store", lambda: storage.get_hashed(f"checkpoints/b/{STATE_FILE}")),
+                ("raw", lambda: fs.cat_file(f"{raw}/b/{STATE_FILE}")),
+            ],
         }
         for what, pair in steps.items():
             for side, fn in rotated(pair, rep):
@@ -128,42 +145,58 @@ def main(argv: list[str]) -> None:
     p.add_argument("--reps", type=int, default=3, help="alternating repetitions, median reported")
     p.add_argument("--no-s3", action="store_true", help="local folder only")
     p.add_argument("--profile", action="store_true", help="also profile one local save + load (bench/out/)")
-    p.add_argument("--prototype", action="store_true",
-                   help="also time save and load with the changes suggested in bench/prototypes.py swapped in")
+    p.add_argument(
+        "--prototype",
+        action="store_true",
+        help="also time save and load with the changes suggested in bench/prototypes.py swapped in",
+    )
     a = p.parse_args(argv)
     load = load_average()
     objects = checkpoint_objects(a.hidden, a.layers)
     blobs = serialize(objects)
     size = sum(len(b) for b in blobs.values())
-    results = {"local folder": _pairs(scratch("store-"), None, objects, blobs, a.reps,
-                                      prototype=a.prototype)}
+    results = {"local folder": _pairs(scratch("store-"), None, objects, blobs, a.reps, prototype=a.prototype)}
     if not a.no_s3:
         with local_s3() as s3:
             results["S3 over HTTP (moto)"] = _s3_pairs(s3, objects, blobs, a.reps, a.prototype)
     profile = _profile(scratch("store-prof-"), objects) if a.profile else ""
-    lines = [f"Checkpoint: the state of the synthetic MLP hidden {a.hidden} x {a.layers} "
-             f"({parameter_bytes({'hidden': a.hidden, 'num_layers': a.layers}) / 1e6:.0f} MB of parameters) with "
-             f"SGD momentum, scheduler and RNG: {size / 1e6:.0f} MB in {len(blobs)} files. {a.reps} alternating "
-             "repetitions, medians. Ratio = raw time / store time = the store's throughput as a fraction of plain "
-             "fsspec's (goal >= 0.9).", "",
-             "| store | operation | store s | raw s | ratio | goal >= 0.9 | CPU-s of this process, store / raw |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Checkpoint: the state of the synthetic MLP hidden {a.hidden} x {a.layers} "
+        f"({parameter_bytes({'hidden': a.hidden, 'num_layers': a.layers}) / 1e6:.0f} MB of parameters) with "
+        f"SGD momentum, scheduler and RNG: {size / 1e6:.0f} MB in {len(blobs)} files. {a.reps} alternating "
+        "repetitions, medians. Ratio = raw time / store time = the store's throughput as a fraction of plain "
+        "fsspec's (goal >= 0.9).",
+        "",
+        "| store | operation | store s | raw s | ratio | goal >= 0.9 | CPU-s of this process, store / raw |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for label, r in results.items():
-        for what, desc in [("save", "save (serialize + write)"), ("commit", "commit (write the bytes)"),
-                           ("load", "load (resolve + read + verify + unpickle)"), ("read", "read + sha256 (bytes)")]:
+        for what, desc in [
+            ("save", "save (serialize + write)"),
+            ("commit", "commit (write the bytes)"),
+            ("load", "load (resolve + read + verify + unpickle)"),
+            ("read", "read + sha256 (bytes)"),
+        ]:
             st, rw = median(r[f"{what} store"]), median(r[f"{what} raw"])
             cpu = f"{median(r[f'{what} store cpu']):.2f} / {median(r[f'{what} raw cpu']):.2f}"
-            lines.append(f"| {label} | {desc} | {st:.3f} | {rw:.3f} | {rw / st:.2f} | "
-                         f"{'met' if rw / st >= 0.9 else 'missed'} | {cpu} |")
+            lines.append(
+                f"| {label} | {desc} | {st:.3f} | {rw:.3f} | {rw / st:.2f} | "
+                f"{'met' if rw / st >= 0.9 else 'missed'} | {cpu} |"
+            )
             if f"{what} prototype" in r:
                 pt = median(r[f"{what} prototype"])
-                lines.append(f"| {label} | {what}, prototype (bench/prototypes.py) | {pt:.3f} | {rw:.3f} | "
-                             f"{rw / pt:.2f} | {'met' if rw / pt >= 0.9 else 'missed'} | "
-                             f"{median(r[f'{what} prototype cpu']):.2f} / {median(r[f'{what} raw cpu']):.2f} |")
-    lines += ["", "moto's S3 server runs in a child process on the same 2 cores; its own speed (~30-50 MB/s put) "
-                  "bounds both sides, so the S3 rows show what the protocol adds, not what a real bucket would do. "
-                  "The CPU column is this process's own CPU time (all threads; moto's is not in it): on S3 it is "
-                  "what an upload in the background takes from training."]
+                lines.append(
+                    f"| {label} | {what}, prototype (bench/prototypes.py) | {pt:.3f} | {rw:.3f} | "
+                    f"{rw / pt:.2f} | {'met' if rw / pt >= 0.9 else 'missed'} | "
+                    f"{median(r[f'{what} prototype cpu']):.2f} / {median(r[f'{what} raw cpu']):.2f} |"
+                )
+    lines += [
+        "",
+        "moto's S3 server runs in a child process on the same 2 cores; its own speed (~30-50 MB/s put) "
+        "bounds both sides, so the S3 rows show what the protocol adds, not what a real bucket would do. "
+        "The CPU column is this process's own CPU time (all threads; moto's is not in it): on S3 it is "
+        "what an upload in the background takes from training.",
+    ]
     if profile:
         lines.append(f"Profile of one local save + load: {profile}")
     record("Store throughput (goal: ratio >= 0.9)", lines, load)
@@ -172,8 +205,9 @@ def main(argv: list[str]) -> None:
 def _s3_pairs(s3: LocalS3, objects: dict, blobs: dict[str, bytes], reps: int, prototype: bool) -> dict[str, list]:
     out: dict[str, list] = {}
     for rep in range(reps):  # a fresh bucket per repetition keeps moto's memory bounded
-        r = _pairs(s3.fresh_bucket(f"bench-store-{rep}"), s3.options, objects, blobs, 1, first_rep=rep,
-                   prototype=prototype)
+        r = _pairs(
+            s3.fresh_bucket(f"bench-store-{rep}"), s3.options, objects, blobs, 1, first_rep=rep, prototype=prototype
+        )
         for k, v in r.items():
             out.setdefault(k, []).extend(v)
     return out

@@ -19,7 +19,18 @@ from checkpointing.store import (
 )
 
 __all__ = [
-    "CheckpointError", "CheckpointInfo", "CheckpointStore", "CorruptCheckpointError", "FencedError",
-    "LoadedCheckpoint", "Manifest", "NotACheckpointError", "RetrySettings", "StorageError", "UnsafeCheckpointError", "Writer",
-    "open_checkpoint_uri", "validate_name",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "CorruptCheckpointError",
+    "FencedError",
+    "LoadedCheckpoint",
+    "Manifest",
+    "NotACheckpointError",
+    "RetrySettings",
+    "StorageError",
+    "UnsafeCheckpointError",
+    "Writer",
+    "open_checkpoint_uri",
+    "validate_name",
 ]

@@ -20,9 +20,15 @@ import sys
 
 import torch
 
-from checkpointing.store import (CHECKPOINTS, STATE_FILE, CheckpointError, CheckpointStore, open_checkpoint_uri,
-                                  validate_name)
 from checkpointing.storage import StorageError
+from checkpointing.store import (
+    CHECKPOINTS,
+    STATE_FILE,
+    CheckpointError,
+    CheckpointStore,
+    open_checkpoint_uri,
+    validate_name,
+)
 
 
 def _run_store(uri: str, options: dict) -> tuple[CheckpointStore, str | None]:
@@ -43,12 +49,20 @@ def cmd_ls(args, options) -> int:
     rows = [("name", "epoch", "step", "samples", "size MB", "verified", "latest")]
     for info in store.list():
         p = info.progress
-        rows.append((info.name, str(p.get("epoch", "")), str(p.get("step", "")), str(p.get("samples_seen", "")),
-                     f"{info.size_bytes / 1e6:.1f}", "no" if store.check(info) else "yes",
-                     "*" if info.name == pointer else ""))
+        rows.append(
+            (
+                info.name,
+                str(p.get("epoch", "")),
+                str(p.get("step", "")),
+                str(p.get("samples_seen", "")),
+                f"{info.size_bytes / 1e6:.1f}",
+                "no" if store.check(info) else "yes",
+                "*" if info.name == pointer else "",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
     if len(rows) == 1:
         print(f"(no checkpoints in {store.uri})")
     return 0
@@ -72,9 +86,14 @@ def cmd_verify(args, options) -> int:
 def cmd_export(args, options) -> int:
     loaded = open_checkpoint_uri(args.uri, storage_options=options, files=[STATE_FILE], option="uri")
     state = loaded.objects[STATE_FILE]
-    out = {"model": state["state"]["model"],
-           "metadata": {"checkpoint": loaded.info.uri, "progress": dict(loaded.info.progress),
-                        "recipe": str(loaded.info.manifest.metadata.get("recipe", ""))}}
+    out = {
+        "model": state["state"]["model"],
+        "metadata": {
+            "checkpoint": loaded.info.uri,
+            "progress": dict(loaded.info.progress),
+            "recipe": str(loaded.info.manifest.metadata.get("recipe", "")),
+        },
+    }
     buf = io.BytesIO()
     torch.save(out, buf)
     import fsspec
@@ -86,15 +105,20 @@ def cmd_export(args, options) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m checkpointing", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m checkpointing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     # --storage-options may come before or after the command; SUPPRESS keeps a command from resetting it.
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--storage-options", default=argparse.SUPPRESS, help="fsspec options as JSON (never printed)")
     parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (never printed)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("ls", parents=[options], help="list a run's checkpoints ('verified': every file there with the "
-                                                 "size its manifest gives; verify also checks sha256)").add_argument("uri")
+    sub.add_parser(
+        "ls",
+        parents=[options],
+        help="list a run's checkpoints ('verified': every file there with the "
+        "size its manifest gives; verify also checks sha256)",
+    ).add_argument("uri")
     verify = sub.add_parser("verify", parents=[options], help="check every file's sha256; exit 1 if any is bad")
     verify.add_argument("uri")
     verify.add_argument("--name", help="verify only this checkpoint of the run")
@@ -111,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(options, dict):
             raise ValueError
     except ValueError:
-        print("error: --storage-options must be a JSON object, e.g. "
-              "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:5555\"}}'", file=sys.stderr)
+        print(
+            "error: --storage-options must be a JSON object, e.g. "
+            '\'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:5555"}}\'',
+            file=sys.stderr,
+        )
         return 2
     try:
         return {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export}[args.command](args, options)

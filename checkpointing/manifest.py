@@ -39,7 +39,7 @@ class Writer:
     label: str = ""
 
     @classmethod
-    def current(cls, generation: int = 0, label: str = "") -> "Writer":
+    def current(cls, generation: int = 0, label: str = "") -> Writer:
         return cls(host=socket.gethostname(), pid=os.getpid(), generation=generation, label=label)
 
 
@@ -69,13 +69,14 @@ class Manifest:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
+    def from_json(cls, data: bytes) -> Manifest:
         try:
             raw = json.loads(data)
             version = raw["format_version"]
             if version > FORMAT_VERSION:
-                raise ManifestError(f"format_version {version} is newer than this code "
-                                    f"({FORMAT_VERSION}); upgrade to read it")
+                raise ManifestError(
+                    f"format_version {version} is newer than this code ({FORMAT_VERSION}); upgrade to read it"
+                )
             return cls(
                 name=raw["name"],
                 files={k: FileEntry(**v) for k, v in raw["files"].items()},

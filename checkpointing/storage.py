@@ -12,9 +12,10 @@ import hashlib
 import logging
 import os
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 from tenacity import (
@@ -32,25 +33,66 @@ T = TypeVar("T")
 # What S3-compatible stores answer for faults worth retrying: HTTP statuses and error codes (a throttled or
 # timed-out request may come back as 400/409/429 with one of these codes).
 _TRANSIENT_STATUSES = {408, 429, 500, 502, 503, 504}
-_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
-                    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
-                    "OperationAborted", "PriorRequestNotComplete"}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequests",
+    "RequestLimitExceeded",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "OperationAborted",
+    "PriorRequestNotComplete",
+}
 # For errors that carry no HTTP status (network failures, other fsspec backends): words in their message.
 _TRANSIENT_WORDS = (
-    "slowdown", "slow down", "throttl", "requesttimeout", "request timeout", "internalerror",
-    "serviceunavailable", "service unavailable", "internal error", "bad gateway", "gateway timeout",
-    "connection reset", "connection aborted", "broken pipe",
-    "server disconnected", "timed out", "timeout", "temporarily unavailable",
+    "slowdown",
+    "slow down",
+    "throttl",
+    "requesttimeout",
+    "request timeout",
+    "internalerror",
+    "serviceunavailable",
+    "service unavailable",
+    "internal error",
+    "bad gateway",
+    "gateway timeout",
+    "connection reset",
+    "connection aborted",
+    "broken pipe",
+    "server disconnected",
+    "timed out",
+    "timeout",
+    "temporarily unavailable",
 )
 _TRANSIENT_STATUS_TEXT = re.compile(r"\b(500|502|503|504|429)\b")
 _CHUNK = 16 * 1024 * 1024
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-hash")
-_TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
-                     errno.EAGAIN, errno.EPIPE, errno.ECONNREFUSED}
+_TRANSIENT_ERRNOS = {
+    errno.EREMOTEIO,
+    errno.EBUSY,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.EAGAIN,
+    errno.EPIPE,
+    errno.ECONNREFUSED,
+}
 _PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-_NETWORK_ERRORS = {"ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError",
-                   "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-                   "ServerTimeoutError", "IncompleteReadError", "ResponseStreamingError"}
+_NETWORK_ERRORS = {
+    "ClientConnectionError",
+    "ServerDisconnectedError",
+    "ClientPayloadError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ServerTimeoutError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+}
 
 
 class StorageError(RuntimeError):
@@ -125,8 +167,7 @@ def _chain(exc: BaseException):
 class Storage:
     """Object-store I/O rooted at one URL. Every call retries transient faults with backoff+jitter."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 retry: RetrySettings | None = None):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, retry: RetrySettings | None = None):
         if "://" not in url:  # a plain local path: report it absolute, as file URIs are
             url = os.path.abspath(url)
         self.url = url.rstrip("/")
@@ -210,8 +251,11 @@ class Storage:
         def find() -> dict[str, int]:
             self.fs.invalidate_cache()
             found = self.fs.find(base, detail=True)
-            return {p[len(base):]: int(info.get("size") or 0) for p, info in found.items()
-                    if info.get("type", "file") == "file"}
+            return {
+                p[len(base) :]: int(info.get("size") or 0)
+                for p, info in found.items()
+                if info.get("type", "file") == "file"
+            }
 
         return self._call(f"list {prefix}", find)
 
@@ -227,8 +271,7 @@ class Storage:
                 if no_such_bucket(exc) or self._missing_bucket():
                     raise
                 return []
-            return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries
-                          if e.get("type") == "directory")
+            return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
 
         return self._call(f"list {prefix}", ls)
 
@@ -269,22 +312,23 @@ class Storage:
         except FileNotFoundError as exc:
             if not missing_is_error and not no_such_bucket(exc) and not self._missing_bucket():
                 raise
-            raise StorageError(f"{what} at {self.uri()} failed (permanent): no such bucket or folder ({exc}); "
-                               f"create it or fix save_folder") from exc
-        except Exception as exc:  # noqa: BLE001 - re-raised with the operation named
+            raise StorageError(
+                f"{what} at {self.uri()} failed (permanent): no such bucket or folder ({exc}); "
+                f"create it or fix save_folder"
+            ) from exc
+        except Exception as exc:
             kind = "transient, retries exhausted" if is_transient(exc) else "permanent"
-            raise StorageError(f"{what} at {self.uri()} failed ({kind}): "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise StorageError(f"{what} at {self.uri()} failed ({kind}): {type(exc).__name__}: {exc}") from exc
 
 
-def _missing_bucket_of(storage: "Storage") -> bool | None:
+def _missing_bucket_of(storage: Storage) -> bool | None:
     """Asks the store whether ``storage``'s bucket is missing: only a NoSuchBucket answer says yes; None when
     the question itself failed."""
     try:
         storage.fs.ls(storage.root, refresh=True)
     except FileNotFoundError as exc:  # an empty prefix of an existing bucket reads as missing too
         return no_such_bucket(exc)
-    except Exception:  # noqa: BLE001 - no evidence either way; the caller's answer stands
+    except Exception:
         return None
     finally:
         storage.fs.invalidate_cache(storage.root)
@@ -293,6 +337,12 @@ def _missing_bucket_of(storage: "Storage") -> bool | None:
 
 def _log_retry(url: str, what: str, state: RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
-    log.warning("object store %s: %s failed (attempt %d: %s: %s); retrying in %.2fs",
-                url, what, state.attempt_number, type(exc).__name__, exc,
-                state.next_action.sleep if state.next_action else 0.0)
+    log.warning(
+        "object store %s: %s failed (attempt %d: %s: %s); retrying in %.2fs",
+        url,
+        what,
+        state.attempt_number,
+        type(exc).__name__,
+        exc,
+        state.next_action.sleep if state.next_action else 0.0,
+    )

@@ -21,9 +21,10 @@ import json
 import logging
 import pickle
 import re
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -62,8 +63,10 @@ class FencedError(CheckpointError):
 def validate_name(value: str, option: str = "run_name") -> str:
     """Names become path segments: reject separators, '..', absolute paths and odd characters."""
     if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
-        raise ValueError(f"{option}={value!r}: use 1-128 letters, digits, '.', '_' or '-', starting "
-                         f"with a letter or digit (no '/', '..' or absolute paths)")
+        raise ValueError(
+            f"{option}={value!r}: use 1-128 letters, digits, '.', '_' or '-', starting "
+            f"with a letter or digit (no '/', '..' or absolute paths)"
+        )
     return value
 
 
@@ -93,8 +96,14 @@ class LoadedCheckpoint:
 class CheckpointStore:
     """The checkpoints of run ``run_name`` under ``save_folder`` (any fsspec URL)."""
 
-    def __init__(self, save_folder: str, run_name: str, *,
-                 storage_options: dict[str, Any] | None = None, retry: RetrySettings | None = None):
+    def __init__(
+        self,
+        save_folder: str,
+        run_name: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetrySettings | None = None,
+    ):
         validate_name(run_name)
         self.run_name = run_name
         self.storage = Storage(f"{str(save_folder).rstrip('/')}/{run_name}", storage_options, retry)
@@ -135,9 +144,8 @@ class CheckpointStore:
                 problems.append(f"{info.name}/{fname}: missing")
             elif found[fname] != entry.size:
                 problems.append(f"{info.name}/{fname}: size {found[fname]} != {entry.size} in manifest")
-            elif deep:
-                if _sha256(self.storage.get(f"{prefix}/{fname}")) != entry.sha256:
-                    problems.append(f"{info.name}/{fname}: sha256 mismatch")
+            elif deep and _sha256(self.storage.get(f"{prefix}/{fname}")) != entry.sha256:
+                problems.append(f"{info.name}/{fname}: sha256 mismatch")
         return problems
 
     def load(self, checkpoint: str | CheckpointInfo, files: Iterable[str] | None = None) -> LoadedCheckpoint:
@@ -155,7 +163,8 @@ class CheckpointStore:
             if len(data) != entry.size or digest != entry.sha256:
                 raise CorruptCheckpointError(
                     f"{info.uri}/{fname}: {len(data)} bytes, sha256 {digest[:12]}… does not match the "
-                    f"manifest ({entry.size} bytes, {entry.sha256[:12]}…)")
+                    f"manifest ({entry.size} bytes, {entry.sha256[:12]}…)"
+                )
             objects[fname] = safe_load(data, f"{info.uri}/{fname}")
         return LoadedCheckpoint(info=info, objects=objects)
 
@@ -188,13 +197,27 @@ class CheckpointStore:
             return None
 
     # -- writing -------------------------------------------------------------------------------
-    def save(self, name: str, objects: dict[str, Any], *, progress: dict[str, int],
-             metadata: dict[str, Any] | None = None, writer: Writer | None = None) -> CheckpointInfo:
+    def save(
+        self,
+        name: str,
+        objects: dict[str, Any],
+        *,
+        progress: dict[str, int],
+        metadata: dict[str, Any] | None = None,
+        writer: Writer | None = None,
+    ) -> CheckpointInfo:
         """Serializes ``objects`` (file name -> object for ``torch.save``) and commits them."""
         return self.commit(name, serialize(objects), progress=progress, metadata=metadata, writer=writer)
 
-    def commit(self, name: str, blobs: dict[str, bytes], *, progress: dict[str, int],
-               metadata: dict[str, Any] | None = None, writer: Writer | None = None) -> CheckpointInfo:
+    def commit(
+        self,
+        name: str,
+        blobs: dict[str, bytes],
+        *,
+        progress: dict[str, int],
+        metadata: dict[str, Any] | None = None,
+        writer: Writer | None = None,
+    ) -> CheckpointInfo:
         """Writes files, then the manifest, then moves ``latest``. Raises FencedError for stale writers."""
         validate_name(name, "checkpoint name")
         for fname in blobs:
@@ -208,8 +231,13 @@ class CheckpointStore:
             self.storage.delete(f"{prefix}/{MANIFEST}")  # a re-save first un-commits the old copy
             for fname, data in blobs.items():
                 self.storage.put(f"{prefix}/{fname}", data)
-            manifest = Manifest(name=name, files={f: e.result() for f, e in entries.items()},
-                                progress=dict(progress), metadata=dict(metadata or {}), writer=writer)
+            manifest = Manifest(
+                name=name,
+                files={f: e.result() for f, e in entries.items()},
+                progress=dict(progress),
+                metadata=dict(metadata or {}),
+                writer=writer,
+            )
             self.storage.put(f"{prefix}/{MANIFEST}", manifest.to_json())
             self._check_fence(writer)
             self.storage.put(POINTER, json.dumps({"name": name, "generation": writer.generation}).encode())
@@ -272,8 +300,11 @@ class CheckpointStore:
             if not problems:
                 yield info
             else:
-                log.warning("latest names %s, which does not verify (%s); using the newest good one",
-                            pointer["name"], "; ".join(problems))
+                log.warning(
+                    "latest names %s, which does not verify (%s); using the newest good one",
+                    pointer["name"],
+                    "; ".join(problems),
+                )
         for info in reversed(self.list()):
             if info.name in tried:
                 continue
@@ -303,8 +334,10 @@ class CheckpointStore:
     def _check_fence(self, writer: Writer) -> None:
         newest = max(self._newest_claim(), (self.read_pointer() or {}).get("generation", 0))
         if newest > writer.generation:
-            raise FencedError(f"{self.uri}: writer generation {newest} has claimed this run; this writer "
-                              f"(generation {writer.generation}) is stale and stops without writing")
+            raise FencedError(
+                f"{self.uri}: writer generation {newest} has claimed this run; this writer "
+                f"(generation {writer.generation}) is stale and stops without writing"
+            )
 
 
 def _score(info: CheckpointInfo, attribute: str, order: str) -> tuple[int, float]:
@@ -339,11 +372,17 @@ def safe_load(data: bytes, where: str) -> Any:
         raise UnsafeCheckpointError(
             f"{where} holds objects that only an unsafe unpickler could load; refusing it "
             f"(weights_only=True). If you wrote this file yourself, re-save it with tensors and plain "
-            f"containers only. Detail: {str(exc).splitlines()[0]}") from exc
+            f"containers only. Detail: {str(exc).splitlines()[0]}"
+        ) from exc
 
 
-def open_checkpoint_uri(uri: str, *, storage_options: dict[str, Any] | None = None,
-                        files: Iterable[str] | None = None, option: str = "load_path") -> LoadedCheckpoint:
+def open_checkpoint_uri(
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    files: Iterable[str] | None = None,
+    option: str = "load_path",
+) -> LoadedCheckpoint:
     """Loads a checkpoint named by URI: a checkpoint folder, or a run folder (its latest good one)."""
     uri = str(uri).rstrip("/").removesuffix(f"/{MANIFEST}").rstrip("/")
     probe = Storage(uri, storage_options)
@@ -357,6 +396,8 @@ def open_checkpoint_uri(uri: str, *, storage_options: dict[str, Any] | None = No
         if loaded is not None:
             return loaded
         raise NotACheckpointError(f"{option}={uri!r}: the run there has no checkpoint that verifies")
-    raise NotACheckpointError(f"{option}={uri!r}: neither a checkpoint folder (with {MANIFEST}) nor a run folder "
-                          f"(with '{POINTER}' or '{CHECKPOINTS}/'); point it at <save_folder>/<run_name> or "
-                          f"<save_folder>/<run_name>/{CHECKPOINTS}/<name>")
+    raise NotACheckpointError(
+        f"{option}={uri!r}: neither a checkpoint folder (with {MANIFEST}) nor a run folder "
+        f"(with '{POINTER}' or '{CHECKPOINTS}/'); point it at <save_folder>/<run_name> or "
+        f"<save_folder>/<run_name>/{CHECKPOINTS}/<name>"
+    )

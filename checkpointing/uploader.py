@@ -30,8 +30,18 @@ class BackgroundCommitter:
         self.pending_name: str | None = None
         self.pending_store_uri: str | None = None
 
-    def submit(self, store: CheckpointStore, name: str, blobs: dict[str, bytes], *, progress: dict[str, int],
-               metadata: dict[str, Any], writer: Writer, keep: int = -1, score: tuple[str, str] | None = None) -> None:
+    def submit(
+        self,
+        store: CheckpointStore,
+        name: str,
+        blobs: dict[str, bytes],
+        *,
+        progress: dict[str, int],
+        metadata: dict[str, Any],
+        writer: Writer,
+        keep: int = -1,
+        score: tuple[str, str] | None = None,
+    ) -> None:
         """Starts committing ``blobs``; first waits for (and re-raises the failure of) the previous one."""
         self.wait()
         with self._lock:
@@ -53,25 +63,47 @@ class BackgroundCommitter:
         """Like ``wait`` but logs a failure instead of raising (a retry will resume from what committed)."""
         try:
             return self.wait()
-        except Exception as exc:  # noqa: BLE001 - reported, and the store still holds the previous checkpoint
-            log.warning("background commit failed: %s: %s; resuming from the last committed checkpoint",
-                        type(exc).__name__, exc)
+        except Exception as exc:
+            log.warning(
+                "background commit failed: %s: %s; resuming from the last committed checkpoint", type(exc).__name__, exc
+            )
             return None
 
     @staticmethod
-    def _commit(store: CheckpointStore, name: str, blobs: dict[str, bytes], progress, metadata, writer,
-                keep: int, score: tuple[str, str] | None) -> CheckpointInfo:
+    def _commit(
+        store: CheckpointStore,
+        name: str,
+        blobs: dict[str, bytes],
+        progress,
+        metadata,
+        writer,
+        keep: int,
+        score: tuple[str, str] | None,
+    ) -> CheckpointInfo:
         t0 = time.perf_counter()
-        info = commit_and_prune(store, name, blobs, progress=progress, metadata=metadata, writer=writer, keep=keep,
-                                score=score)
-        log.info("checkpoint %s committed in the background: %.1f MB in %.2fs", name,
-                 info.size_bytes / 1e6, time.perf_counter() - t0)
+        info = commit_and_prune(
+            store, name, blobs, progress=progress, metadata=metadata, writer=writer, keep=keep, score=score
+        )
+        log.info(
+            "checkpoint %s committed in the background: %.1f MB in %.2fs",
+            name,
+            info.size_bytes / 1e6,
+            time.perf_counter() - t0,
+        )
         return info
 
 
-def commit_and_prune(store: CheckpointStore, name: str, blobs: dict[str, bytes], *, progress: dict[str, int],
-                     metadata: dict[str, Any], writer: Writer, keep: int = -1,
-                     score: tuple[str, str] | None = None) -> CheckpointInfo:
+def commit_and_prune(
+    store: CheckpointStore,
+    name: str,
+    blobs: dict[str, bytes],
+    *,
+    progress: dict[str, int],
+    metadata: dict[str, Any],
+    writer: Writer,
+    keep: int = -1,
+    score: tuple[str, str] | None = None,
+) -> CheckpointInfo:
     """Commits a checkpoint, then applies retention with the same store (which knows what is in flight).
     ``score`` is (metric, "max" or "min") for keep-best retention."""
     info = store.commit(name, blobs, progress=progress, metadata=metadata, writer=writer)

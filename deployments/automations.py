@@ -38,9 +38,15 @@ MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency
 # fails, is retried (restarting the run again each time), then dropped, after which Prefect holds that
 # run's later events (its next Crashed too) for up to 15 minutes. Crashed is left out on purpose: a crash
 # already has the restart automation; this one only has to notice silence.
-ALIVE_OR_DONE = {"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
-                 "prefect.flow-run.Cancelled", "prefect.flow-run.Cancelling", "prefect.flow-run.Paused",
-                 "prefect.flow-run.Suspended"}
+ALIVE_OR_DONE = {
+    "prefect.flow-run.heartbeat",
+    "prefect.flow-run.Completed",
+    "prefect.flow-run.Failed",
+    "prefect.flow-run.Cancelled",
+    "prefect.flow-run.Cancelling",
+    "prefect.flow-run.Paused",
+    "prefect.flow-run.Suspended",
+}
 
 
 def heartbeat_lost(flow_ids: list[UUID], within_seconds: float) -> Automation:
@@ -48,20 +54,25 @@ def heartbeat_lost(flow_ids: list[UUID], within_seconds: float) -> Automation:
     return Automation(
         name=HEARTBEAT_LOST,
         description="A training flow run whose heartbeats stopped (its machine died) is marked Crashed, so that "
-                    f"'{RESTART_CRASHED}' can restart it.",
+        f"'{RESTART_CRASHED}' can restart it.",
         trigger=EventTrigger(
             posture=Posture.Proactive,
             after={"prefect.flow-run.heartbeat"},
             expect=ALIVE_OR_DONE,
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.role": "flow",
-                           "prefect.resource.id": [f"prefect.flow.{i}" for i in flow_ids]},
+            match_related={
+                "prefect.resource.role": "flow",
+                "prefect.resource.id": [f"prefect.flow.{i}" for i in flow_ids],
+            },
             for_each={"prefect.resource.id"},
             threshold=1,
             within=timedelta(seconds=within_seconds),
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat for {within_seconds:.0f}s: the flow-run process is gone")],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED, message=f"no heartbeat for {within_seconds:.0f}s: the flow-run process is gone"
+            )
+        ],
     )
 
 
@@ -70,19 +81,26 @@ def restart_crashed(deployment_ids: list[UUID]) -> Automation:
     return Automation(
         name=RESTART_CRASHED,
         description="A Crashed flow run of a training deployment is rescheduled; it resumes from its last "
-                    "checkpoint, and ends Failed past its max_restarts.",
+        "checkpoint, and ends Failed past its max_restarts.",
         trigger=EventTrigger(
             posture=Posture.Reactive,
             expect={"prefect.flow-run.Crashed"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.role": "deployment",
-                           "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids]},
+            match_related={
+                "prefect.resource.role": "deployment",
+                "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids],
+            },
             for_each={"prefect.resource.id"},
             threshold=1,
             within=timedelta(0),
         ),
-        actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRestart",
-                                    message="restarted after a crash by the training deployment's automation")],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.SCHEDULED,
+                name="AwaitingRestart",
+                message="restarted after a crash by the training deployment's automation",
+            )
+        ],
     )
 
 
@@ -123,17 +141,27 @@ def install(deployment_names: list[str], within_seconds: float | None = None) ->
         frequency = heartbeat_seconds(client, ids)
     within = within_seconds if within_seconds is not None else 3 * frequency
     if within <= frequency:
-        raise ValueError(f"within={within}s: must exceed the heartbeat frequency ({frequency}s), or every "
-                         f"healthy run would be marked Crashed; use about 3x the frequency")
+        raise ValueError(
+            f"within={within}s: must exceed the heartbeat frequency ({frequency}s), or every "
+            f"healthy run would be marked Crashed; use about 3x the frequency"
+        )
     return [upsert(heartbeat_lost(flow_ids, within)), upsert(restart_crashed(ids))]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.automations", description=__doc__.splitlines()[0])
-    parser.add_argument("--deployment", action="append", dest="deployments",
-                        help=f"flow/deployment to restart after crashes (repeatable; default: {DEFAULT_DEPLOYMENTS})")
-    parser.add_argument("--within", type=float, default=None,
-                        help="seconds without any event of a run before it counts as dead (default: 3x heartbeat)")
+    parser.add_argument(
+        "--deployment",
+        action="append",
+        dest="deployments",
+        help=f"flow/deployment to restart after crashes (repeatable; default: {DEFAULT_DEPLOYMENTS})",
+    )
+    parser.add_argument(
+        "--within",
+        type=float,
+        default=None,
+        help="seconds without any event of a run before it counts as dead (default: 3x heartbeat)",
+    )
     args = parser.parse_args(argv)
     for automation in install(args.deployments or list(DEFAULT_DEPLOYMENTS), args.within):
         print(f"automation {automation.name!r} ({automation.id}): {automation.trigger.describe_for_cli().strip()}")

@@ -33,21 +33,23 @@ def port_is_free(port: int) -> bool:
 def usage(endpoint: str) -> str:
     """The lines a person pastes into another terminal to train against this endpoint."""
     env = f"AWS_ENDPOINT_URL={endpoint} AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing"
-    return (f"local S3 at {endpoint} with bucket '{BUCKET}'. In another terminal:\n\n"
-            f"  {env} TRAIN_SAVE_FOLDER=s3://{BUCKET} .venv/bin/python -m flows.train\n"
-            f"  {env} .venv/bin/python -m checkpointing ls s3://{BUCKET}/<run_name>\n\n"
-            f"or, without AWS_ENDPOINT_URL:\n\n"
-            f"  TRAIN_STORAGE_OPTIONS='{{\"client_kwargs\": {{\"endpoint_url\": \"{endpoint}\"}}}}' "
-            f"AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing TRAIN_SAVE_FOLDER=s3://{BUCKET} "
-            f".venv/bin/python -m flows.train\n\nCtrl-C stops it.")
+    return (
+        f"local S3 at {endpoint} with bucket '{BUCKET}'. In another terminal:\n\n"
+        f"  {env} TRAIN_SAVE_FOLDER=s3://{BUCKET} .venv/bin/python -m flows.train\n"
+        f"  {env} .venv/bin/python -m checkpointing ls s3://{BUCKET}/<run_name>\n\n"
+        f"or, without AWS_ENDPOINT_URL:\n\n"
+        f'  TRAIN_STORAGE_OPTIONS=\'{{"client_kwargs": {{"endpoint_url": "{endpoint}"}}}}\' '
+        f"AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing TRAIN_SAVE_FOLDER=s3://{BUCKET} "
+        f".venv/bin/python -m flows.train\n\nCtrl-C stops it."
+    )
 
 
 def main() -> int:
     if not port_is_free(PORT):
         print(f"error: 127.0.0.1:{PORT} is in use (another `make s3`?); stop it or set LOCAL_S3_PORT", file=sys.stderr)
         return 1
-    from moto.server import ThreadedMotoServer
     import s3fs
+    from moto.server import ThreadedMotoServer
 
     os.environ.update(CREDENTIALS)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # keep the lines above readable: no per-request log

@@ -12,6 +12,7 @@ process is started in its own session so that stopping it can take its whole pro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -40,16 +41,26 @@ class Stack:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(PREFECT_HOME=str(self.home), PREFECT_API_URL=self.api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                   TRAINING_PROJECT_DIR=str(ROOT))
+        env.update(
+            PREFECT_HOME=str(self.home),
+            PREFECT_API_URL=self.api_url,
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            TRAINING_PROJECT_DIR=str(ROOT),
+        )
         env.update(self.extra_env)
         env.update(extra)
         return env
 
     def prefect(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         """Runs ``prefect <args>`` against this stack; raises with its output if it fails."""
-        proc = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=self.env(),
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            cwd=ROOT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"prefect {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -58,8 +69,11 @@ class Stack:
 def start_server(stack: Stack, log: Path | None = None) -> subprocess.Popen:
     """``prefect server start`` on 127.0.0.1:<port>, SQLite at $PREFECT_HOME/prefect.db."""
     stack.home.mkdir(parents=True, exist_ok=True)
-    return _spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                   str(stack.port)], stack.env(), log)
+    return _spawn(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(stack.port)],
+        stack.env(),
+        log,
+    )
 
 
 def wait_healthy(stack: Stack, server: subprocess.Popen, timeout: float = 180) -> None:
@@ -80,8 +94,13 @@ def wait_healthy(stack: Stack, server: subprocess.Popen, timeout: float = 180) -
 
 def create_pool(stack: Stack, pool: str = POOL) -> None:
     """Creates the process work pool (an existing one is kept)."""
-    found = subprocess.run([sys.executable, "-m", "prefect", "work-pool", "inspect", pool], cwd=ROOT,
-                           env=stack.env(), capture_output=True, text=True)
+    found = subprocess.run(
+        [sys.executable, "-m", "prefect", "work-pool", "inspect", pool],
+        cwd=ROOT,
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+    )
     if found.returncode != 0:
         stack.prefect("work-pool", "create", pool, "--type", "process")
 
@@ -92,8 +111,14 @@ def deploy(stack: Stack) -> None:
 
 
 def install_automations(stack: Stack, *extra_args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "deployments.automations", *extra_args], cwd=ROOT,
-                          env=stack.env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deployments.automations", *extra_args],
+        cwd=ROOT,
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"deployments.automations exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
@@ -101,8 +126,9 @@ def install_automations(stack: Stack, *extra_args: str) -> str:
 
 def start_worker(stack: Stack, log: Path | None = None, pool: str = POOL, **env: str) -> subprocess.Popen:
     """``prefect worker start`` for the process pool; flow runs start in TRAINING_PROJECT_DIR (the project)."""
-    return _spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
-                  stack.env(**env), log)
+    return _spawn(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"], stack.env(**env), log
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -127,26 +153,21 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30)
     """Stops a process started here and its whole tree: its session's group, then any descendant left."""
     tree = descendants(proc.pid)
     for target in (lambda: os.killpg(proc.pid, sig), *[lambda p=p: os.kill(p, sig) for p in tree]):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             target()
-        except ProcessLookupError:
-            pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
     for pid in [proc.pid, *tree]:  # whatever ignored the polite signal
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     proc.wait(timeout=timeout)
 
 
 def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen:
     out = open(log, "ab") if log else None  # noqa: SIM115 - handed to the child, closed with the test's tmp dir
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from datetime import timezone
+from datetime import UTC
 from typing import Any
 
 from prefect import flow
@@ -72,7 +72,7 @@ def write_release(config: TrainConfig, release: Release) -> None:
 
 def tick_run_name(prefix: str) -> str:
     """``<prefix>-<scheduled start, UTC, to the minute>``: the same for every restart of one tick."""
-    scheduled = flow_run.scheduled_start_time.astimezone(timezone.utc)
+    scheduled = flow_run.scheduled_start_time.astimezone(UTC)
     return validate_name(f"{prefix}-{scheduled:%Y%m%dT%H%M}", "run_prefix")
 
 
@@ -81,8 +81,9 @@ def is_not_worse(new: float, old: float, higher_is_better: bool) -> bool:
 
 
 @flow(name="retrain", validate_parameters=True)
-def retrain(config: TrainConfig, metric: str = "accuracy", higher_is_better: bool = True,
-            run_prefix: str = "retrain") -> RetrainResult:
+def retrain(
+    config: TrainConfig, metric: str = "accuracy", higher_is_better: bool = True, run_prefix: str = "retrain"
+) -> RetrainResult:
     """Train one tick's model from the release's weights; promote it if ``metric`` is not worse."""
     log = get_run_logger()
     check_restart_cap(config.max_restarts)
@@ -91,38 +92,73 @@ def retrain(config: TrainConfig, metric: str = "accuracy", higher_is_better: boo
     updates: dict[str, Any] = {"run_name": run_name}
     if release is not None:
         updates.update(load_path=release.checkpoint, load_weights_only=True)
-        log.info("tick %s warm-starts from the release %s (%s %s=%.4f)", run_name, release.checkpoint,
-                 release.run_name, release.metric, release.value)
+        log.info(
+            "tick %s warm-starts from the release %s (%s %s=%.4f)",
+            run_name,
+            release.checkpoint,
+            release.run_name,
+            release.metric,
+            release.value,
+        )
     else:
         log.info("tick %s: no release in %s yet; training from scratch", run_name, config.save_folder)
     result = train(config.model_copy(update=updates))
     return decide(config, result, release, metric, higher_is_better, log)
 
 
-def decide(config: TrainConfig, result: TrainResult, release: Release | None, metric: str,
-           higher_is_better: bool, log) -> RetrainResult:
+def decide(
+    config: TrainConfig, result: TrainResult, release: Release | None, metric: str, higher_is_better: bool, log
+) -> RetrainResult:
     """Promotes ``result`` (rewrites release.json) unless it is worse than the release on ``metric``."""
     if metric not in result.metrics:
-        raise ConfigError(f"metric={metric!r}: the recipe's evaluation reports {sorted(result.metrics)}; "
-                          f"choose one of those")
+        raise ConfigError(
+            f"metric={metric!r}: the recipe's evaluation reports {sorted(result.metrics)}; choose one of those"
+        )
     new = result.metrics[metric]
     old = release.metrics.get(metric) if release is not None else None
     direction = "higher" if higher_is_better else "lower"
     if old is None or is_not_worse(new, old, higher_is_better):
-        write_release(config, Release(run_name=result.run_name, checkpoint=result.checkpoint, metric=metric,
-                                      value=new, metrics=result.metrics, promoted_at=time.time(),
-                                      flow_run_id=flow_run.id))
-        reason = (f"retrain decision: promoted {result.run_name}: {metric} {new:.4f}" +
-                  (f" is not worse than the release's {old:.4f} ({direction} is better)" if old is not None
-                   else " (first release)"))
+        write_release(
+            config,
+            Release(
+                run_name=result.run_name,
+                checkpoint=result.checkpoint,
+                metric=metric,
+                value=new,
+                metrics=result.metrics,
+                promoted_at=time.time(),
+                flow_run_id=flow_run.id,
+            ),
+        )
+        reason = f"retrain decision: promoted {result.run_name}: {metric} {new:.4f}" + (
+            f" is not worse than the release's {old:.4f} ({direction} is better)"
+            if old is not None
+            else " (first release)"
+        )
         log.info(reason)
-        return RetrainResult(run_name=result.run_name, promoted=True, metric=metric, new_value=new,
-                             released_value=old, release_checkpoint=result.checkpoint, reason=reason)
-    reason = (f"retrain decision: kept the release {release.run_name}: {result.run_name}'s {metric} {new:.4f} "
-              f"is worse than {old:.4f} ({direction} is better)")
+        return RetrainResult(
+            run_name=result.run_name,
+            promoted=True,
+            metric=metric,
+            new_value=new,
+            released_value=old,
+            release_checkpoint=result.checkpoint,
+            reason=reason,
+        )
+    reason = (
+        f"retrain decision: kept the release {release.run_name}: {result.run_name}'s {metric} {new:.4f} "
+        f"is worse than {old:.4f} ({direction} is better)"
+    )
     log.warning(reason)
-    return RetrainResult(run_name=result.run_name, promoted=False, metric=metric, new_value=new,
-                         released_value=old, release_checkpoint=release.checkpoint, reason=reason)
+    return RetrainResult(
+        run_name=result.run_name,
+        promoted=False,
+        metric=metric,
+        new_value=new,
+        released_value=old,
+        release_checkpoint=release.checkpoint,
+        reason=reason,
+    )
 
 
 if __name__ == "__main__":

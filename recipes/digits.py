@@ -49,8 +49,13 @@ class DigitsRecipe:
         return self._data()[1]
 
     def build_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(64, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.hidden), nn.ReLU(),
-                             nn.Linear(self.hidden, 10))
+        return nn.Sequential(
+            nn.Linear(64, self.hidden),
+            nn.ReLU(),
+            nn.Linear(self.hidden, self.hidden),
+            nn.ReLU(),
+            nn.Linear(self.hidden, 10),
+        )
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=self.lr)

@@ -30,9 +30,19 @@ class _Synthetic(Dataset):
 
 
 class SyntheticRecipe:
-    def __init__(self, num_samples: int = 512, in_features: int = 16, hidden: int = 32, num_layers: int = 2,
-                 num_classes: int = 4, lr: float = 0.05, data_seed: int = 1234, eval_samples: int = 128,
-                 dropout: float = 0.1, record_dir: str | None = None):
+    def __init__(
+        self,
+        num_samples: int = 512,
+        in_features: int = 16,
+        hidden: int = 32,
+        num_layers: int = 2,
+        num_classes: int = 4,
+        lr: float = 0.05,
+        data_seed: int = 1234,
+        eval_samples: int = 128,
+        dropout: float = 0.1,
+        record_dir: str | None = None,
+    ):
         if num_samples < 1 or num_layers < 1:
             raise ValueError(f"num_samples={num_samples}, num_layers={num_layers}: both must be >= 1")
         self.num_samples, self.in_features, self.hidden = num_samples, in_features, hidden
@@ -71,8 +81,10 @@ class SyntheticRecipe:
 
     def evaluate(self, model: nn.Module, batch) -> dict[str, float]:
         logits = model(batch["x"])
-        return {"loss": float(F.cross_entropy(logits, batch["y"])),
-                "accuracy": float((logits.argmax(1) == batch["y"]).float().mean())}
+        return {
+            "loss": float(F.cross_entropy(logits, batch["y"])),
+            "accuracy": float((logits.argmax(1) == batch["y"]).float().mean()),
+        }
 
     def _record(self, ids: list[int]) -> None:
         rank = int(os.environ.get("RANK", "0"))

@@ -27,15 +27,30 @@ def retry_unless_permanent(task, task_run, state) -> bool:
     return not isinstance(exc, _NOT_RETRIED)
 
 
-@task(name="train_unit", task_run_name="{config.run_name}-unit-{unit}", cache_policy=NO_CACHE,
-      retry_condition_fn=retry_unless_permanent, retry_jitter_factor=0.5)
+@task(
+    name="train_unit",
+    task_run_name="{config.run_name}-unit-{unit}",
+    cache_policy=NO_CACHE,
+    retry_condition_fn=retry_unless_permanent,
+    retry_jitter_factor=0.5,
+)
 def train_unit(config: TrainConfig, unit: int, start_checkpoint: str | None = None, generation: int = 0) -> UnitResult:
     """Train unit ``unit`` of the run, resuming from its latest good checkpoint."""
     if config.nproc_per_node > 1 or config.nnodes > 1:
-        return launch_unit(config, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
-                           generation=generation, log=get_run_logger())
-    return run_unit(config, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
-                    generation=generation, log=get_run_logger())
+        return launch_unit(
+            config,
+            start_checkpoint=start_checkpoint,
+            attempt=task_run.run_count,
+            generation=generation,
+            log=get_run_logger(),
+        )
+    return run_unit(
+        config,
+        start_checkpoint=start_checkpoint,
+        attempt=task_run.run_count,
+        generation=generation,
+        log=get_run_logger(),
+    )
 
 
 def unit_task(config: TrainConfig):
@@ -44,11 +59,20 @@ def unit_task(config: TrainConfig):
     return train_unit.with_options(retries=config.unit_retries, retry_delay_seconds=delays)
 
 
-@task(name="evaluate", task_run_name="{config.run_name}-evaluate-{checkpoint_name}", cache_policy=NO_CACHE,
-      retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_permanent)
+@task(
+    name="evaluate",
+    task_run_name="{config.run_name}-evaluate-{checkpoint_name}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=retry_unless_permanent,
+)
 def evaluate(config: TrainConfig, checkpoint_name: str) -> dict[str, float]:
     """Evaluate a committed checkpoint on the recipe's eval split."""
     metrics = evaluate_checkpoint(config, checkpoint_name)
-    get_run_logger().info("evaluation of %s: %s", checkpoint_name,
-                          ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "recipe has no eval split")
+    get_run_logger().info(
+        "evaluation of %s: %s",
+        checkpoint_name,
+        ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "recipe has no eval split",
+    )
     return metrics

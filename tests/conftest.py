@@ -37,8 +37,12 @@ def prefect_env(prefect_harness) -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
-    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_HOME=_PREFECT_HOME,
-               PYTHONPATH=str(ROOT), PREFECT_LOGGING_LEVEL="INFO")
+    env.update(
+        PREFECT_API_URL=PREFECT_API_URL.value(),
+        PREFECT_HOME=_PREFECT_HOME,
+        PYTHONPATH=str(ROOT),
+        PREFECT_LOGGING_LEVEL="INFO",
+    )
     return env
 
 
@@ -58,9 +62,18 @@ def make_config(tmp_path):
     from training.config import TrainConfig
 
     def make(**overrides):
-        values = dict(run_name="r", save_folder=str(tmp_path / "runs"), recipe="recipes.synthetic:SyntheticRecipe",
-                      recipe_args={"num_samples": 256}, max_duration="3ep", save_interval="1ep",
-                      global_batch_size=32, seed=7, unit_retries=2, retry_delay_seconds=0)
+        values = dict(
+            run_name="r",
+            save_folder=str(tmp_path / "runs"),
+            recipe="recipes.synthetic:SyntheticRecipe",
+            recipe_args={"num_samples": 256},
+            max_duration="3ep",
+            save_interval="1ep",
+            global_batch_size=32,
+            seed=7,
+            unit_retries=2,
+            retry_delay_seconds=0,
+        )
         values.update(overrides)
         return TrainConfig(**values)
 
@@ -69,9 +82,14 @@ def make_config(tmp_path):
 
 # --- S3 over HTTP (moto server) ------------------------------------------------------------------
 MOTO_SECRET_KEY = "testing-secret-key"  # fake, but distinct enough to search files and logs for
-_AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": MOTO_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
-            # the user's AWS profile, token or endpoint must not leak into (or redirect) the tests
-            "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": MOTO_SECRET_KEY,
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # the user's AWS profile, token or endpoint must not leak into (or redirect) the tests
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
 _AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 
 

@@ -16,8 +16,8 @@ import threading
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-DROP = -1             # close the connection without forwarding the request
-DROP_AFTER = -2       # forward the request, then close the connection instead of answering
+DROP = -1  # close the connection without forwarding the request
+DROP_AFTER = -2  # forward the request, then close the connection instead of answering
 _ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     500: ("InternalError", "We encountered an internal error."),
@@ -38,8 +38,8 @@ class FaultProxy:
         self.num_random_faults = 0
         self.deny: re.Pattern | None = None
         self.hold: re.Pattern | None = None
-        self.held = threading.Event()      # set when a request matching ``hold`` arrived
-        self.release = threading.Event()   # set to let held requests through
+        self.held = threading.Event()  # set when a request matching ``hold`` arrived
+        self.release = threading.Event()  # set to let held requests through
         self._scripts: list[tuple[re.Pattern, deque]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -49,7 +49,7 @@ class FaultProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         self.thread.start()
         return self
 
@@ -148,8 +148,9 @@ class FaultProxy:
     def _forward(self, method: str, path: str, headers, body: bytes):
         conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
         try:
-            conn.request(method, path, body=body or None,
-                         headers={k: v for k, v in headers.items() if k.lower() != "connection"})
+            conn.request(
+                method, path, body=body or None, headers={k: v for k, v in headers.items() if k.lower() != "connection"}
+            )
             resp = conn.getresponse()
             return resp.status, dict(resp.getheaders()), resp.read()
         finally:

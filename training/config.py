@@ -43,11 +43,12 @@ class Duration:
     unit: Literal["ep", "ba"]
 
     @classmethod
-    def parse(cls, text: str, option: str = "duration") -> "Duration":
+    def parse(cls, text: str, option: str = "duration") -> Duration:
         m = _DURATION.match(str(text))
         if not m or int(m.group(1)) <= 0:
-            raise ValueError(f"{option}={text!r}: use '<n>ep' (epochs) or '<n>ba' (batches) with n >= 1, "
-                             f"e.g. '10ep' or '500ba'")
+            raise ValueError(
+                f"{option}={text!r}: use '<n>ep' (epochs) or '<n>ba' (batches) with n >= 1, e.g. '10ep' or '500ba'"
+            )
         return cls(int(m.group(1)), m.group(2))  # type: ignore[arg-type]
 
     def __str__(self) -> str:
@@ -60,9 +61,10 @@ def _duration(option: str):
 
 def _recipe_path(value: str) -> str:
     module, sep, attr = value.partition(":")
-    if not sep or not module or not attr or not all(p.isidentifier() for p in module.split(".") + [attr]):
-        raise ValueError(f"recipe={value!r}: use an import path 'package.module:ClassName', "
-                         f"e.g. 'recipes.digits:DigitsRecipe'")
+    if not sep or not module or not attr or not all(p.isidentifier() for p in [*module.split("."), attr]):
+        raise ValueError(
+            f"recipe={value!r}: use an import path 'package.module:ClassName', e.g. 'recipes.digits:DigitsRecipe'"
+        )
     return value
 
 
@@ -70,74 +72,115 @@ class TrainConfig(BaseSettings):
     """Resumable training of a PyTorch recipe, one checkpointed unit at a time."""
 
     model_config = SettingsConfigDict(
-        env_prefix="TRAIN_", extra="forbid", validate_default=True, cli_prog_name="python -m flows.train",
-        cli_exit_on_error=False, cli_hide_none_type=True, cli_avoid_json=False,
+        env_prefix="TRAIN_",
+        extra="forbid",
+        validate_default=True,
+        cli_prog_name="python -m flows.train",
+        cli_exit_on_error=False,
+        cli_hide_none_type=True,
+        cli_avoid_json=False,
     )
 
     run_name: Annotated[str, AfterValidator(validate_name)] = Field(
-        "default", description="Name of the run; its checkpoints live in <save_folder>/<run_name>/.")
+        "default", description="Name of the run; its checkpoints live in <save_folder>/<run_name>/."
+    )
     save_folder: str = Field(
-        "runs", description="Where runs are stored: a local path or any fsspec URL (file://, s3://, memory://).")
+        "runs", description="Where runs are stored: a local path or any fsspec URL (file://, s3://, memory://)."
+    )
     recipe: Annotated[str, AfterValidator(_recipe_path)] = Field(
-        "recipes.digits:DigitsRecipe", description="Import path 'module:Class' of the recipe to train.")
+        "recipes.digits:DigitsRecipe", description="Import path 'module:Class' of the recipe to train."
+    )
     recipe_args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the recipe's constructor (JSON on the CLI).")
+        default_factory=dict, description="Keyword arguments for the recipe's constructor (JSON on the CLI)."
+    )
     max_duration: Annotated[str, _duration("max_duration")] = Field(
-        "5ep", description="Total length of training: '<n>ep' or '<n>ba'.")
+        "5ep", description="Total length of training: '<n>ep' or '<n>ba'."
+    )
     save_interval: Annotated[str, _duration("save_interval")] = Field(
-        "1ep", description="Length of one unit (one Prefect task, one checkpoint): '<n>ep' or '<n>ba'.")
+        "1ep", description="Length of one unit (one Prefect task, one checkpoint): '<n>ep' or '<n>ba'."
+    )
     global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, summed over all processes.")
     seed: int = Field(42, ge=0, description="Seed for initialization, data order and every RNG.")
     shuffle: bool = Field(True, description="Visit samples in a seeded random order each epoch (else in id order).")
     autoresume: bool = Field(
-        True, description="Continue the run's latest good checkpoint. If false, a run that already has "
-                          "checkpoints is refused rather than overwritten.")
+        True,
+        description="Continue the run's latest good checkpoint. If false, a run that already has "
+        "checkpoints is refused rather than overwritten.",
+    )
     load_path: str | None = Field(
-        None, description="Checkpoint (folder URI) or run (folder URI) to start from when the run has none yet.")
+        None, description="Checkpoint (folder URI) or run (folder URI) to start from when the run has none yet."
+    )
     load_weights_only: bool = Field(
-        False, description="With load_path: take only the model weights (fine-tuning), not optimizer or progress.")
+        False, description="With load_path: take only the model weights (fine-tuning), not optimizer or progress."
+    )
     ignore_data_skip: bool = Field(
-        False, description="On resume, restart the current epoch's data from its first sample.")
+        False, description="On resume, restart the current epoch's data from its first sample."
+    )
     data_skip_steps: int | None = Field(
-        None, ge=0, description="On resume, skip this many batches of the new size from the start of the "
-                                "epoch instead of the saved position (for a changed dataset).")
+        None,
+        ge=0,
+        description="On resume, skip this many batches of the new size from the start of the "
+        "epoch instead of the saved position (for a changed dataset).",
+    )
     num_checkpoints_to_keep: int = Field(
-        -1, description="How many checkpoints to keep (-1 keeps all); the one 'latest' names is always kept.")
+        -1, description="How many checkpoints to keep (-1 keeps all); the one 'latest' names is always kept."
+    )
     checkpoint_score_attribute: str | None = Field(
-        None, description="With num_checkpoints_to_keep: keep the best checkpoints by this unit metric (e.g. 'loss') "
-                          "instead of the newest; the one 'latest' names is always kept too.")
+        None,
+        description="With num_checkpoints_to_keep: keep the best checkpoints by this unit metric (e.g. 'loss') "
+        "instead of the newest; the one 'latest' names is always kept too.",
+    )
     checkpoint_score_order: Literal["max", "min"] = Field(
-        "max", description="Whether a higher ('max') or lower ('min') checkpoint_score_attribute is better.")
+        "max", description="Whether a higher ('max') or lower ('min') checkpoint_score_attribute is better."
+    )
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, repr=False, exclude=True,
-        description="fsspec options for save_folder, e.g. {\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}. "
-                    "Put credentials in the standard AWS variables or profile; these options are never logged "
-                    "and never sent to the Prefect API as a parameter.")
+        default_factory=dict,
+        repr=False,
+        exclude=True,
+        description='fsspec options for save_folder, e.g. {"client_kwargs": {"endpoint_url": "http://..."}}. '
+        "Put credentials in the standard AWS variables or profile; these options are never logged "
+        "and never sent to the Prefect API as a parameter.",
+    )
     async_upload: bool | None = Field(
-        None, description="Upload checkpoints in the background while the next unit trains. Default: on for "
-                          "remote stores (s3://, ...), off for local folders and memory://.")
+        None,
+        description="Upload checkpoints in the background while the next unit trains. Default: on for "
+        "remote stores (s3://, ...), off for local folders and memory://.",
+    )
     nproc_per_node: int = Field(
-        1, ge=1, description="Processes per machine for each unit. Above 1, each unit runs under torchrun with "
-                             "DDP (gloo on CPU, nccl on CUDA).")
+        1,
+        ge=1,
+        description="Processes per machine for each unit. Above 1, each unit runs under torchrun with "
+        "DDP (gloo on CPU, nccl on CUDA).",
+    )
     nnodes: int = Field(1, ge=1, description="Machines that train each unit together (torchrun --nnodes).")
     rdzv_endpoint: str | None = Field(
-        None, description="host:port of the torchrun rendezvous when nnodes > 1 (the same on every machine).")
+        None, description="host:port of the torchrun rendezvous when nnodes > 1 (the same on every machine)."
+    )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train: auto picks CUDA when present.")
     unit_retries: int = Field(2, ge=0, description="Prefect retries of a failed unit (each one resumes).")
     max_restarts: int = Field(
-        3, ge=0, description="Restarts of a crashed flow run (rescheduled by the deployment's automation) after which "
-                             "the run ends Failed instead of resuming again.")
-    retry_delay_seconds: float = Field(1.0, ge=0, description="Base delay of the exponential backoff between unit retries.")
+        3,
+        ge=0,
+        description="Restarts of a crashed flow run (rescheduled by the deployment's automation) after which "
+        "the run ends Failed instead of resuming again.",
+    )
+    retry_delay_seconds: float = Field(
+        1.0, ge=0, description="Base delay of the exponential backoff between unit retries."
+    )
     store_retry_attempts: int = Field(6, ge=1, description="Attempts per object-store call on transient faults.")
     store_retry_max_seconds: float = Field(120.0, gt=0, description="Give up an object-store call after this long.")
     eval_each_unit: bool = Field(False, description="Also evaluate after every unit (always done at the end).")
     log_every_n_steps: int = Field(20, ge=1, description="Print a progress line every this many steps.")
     inject_fault_at_step: int | None = Field(
-        None, ge=1, description="Fault injection for demos and tests: the first attempt of the unit that reaches "
-                                "this global step raises right after the step. Off by default.")
+        None,
+        ge=1,
+        description="Fault injection for demos and tests: the first attempt of the unit that reaches "
+        "this global step raises right after the step. Off by default.",
+    )
     config_file: str | None = Field(
-        None, description="YAML or TOML file with any of these fields (flags and TRAIN_* variables override it).")
+        None, description="YAML or TOML file with any of these fields (flags and TRAIN_* variables override it)."
+    )
 
     @field_validator("num_checkpoints_to_keep")
     @classmethod
@@ -147,18 +190,25 @@ class TrainConfig(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "TrainConfig":
+    def _cross_checks(self) -> TrainConfig:
         if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint: set it to host:port of a machine all "
-                             f"nodes can reach (torchrun's c10d rendezvous)")
+            raise ValueError(
+                f"nnodes={self.nnodes} needs rdzv_endpoint: set it to host:port of a machine all "
+                f"nodes can reach (torchrun's c10d rendezvous)"
+            )
         if self.load_weights_only and not self.load_path:
             raise ValueError("load_weights_only=True needs load_path: set load_path to a checkpoint or run URI")
         return self
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource):
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         path = _config_file.get() or os.environ.get("TRAIN_CONFIG_FILE")
         if path:
@@ -178,7 +228,6 @@ class TrainConfig(BaseSettings):
         """Hash of what defines the model and data order (not durations, batch size or storage)."""
         key = {"recipe": self.recipe, "recipe_args": self.recipe_args, "seed": self.seed, "shuffle": self.shuffle}
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
 
 
 def _file_source(settings_cls: type[BaseSettings], path: str) -> PydanticBaseSettingsSource:

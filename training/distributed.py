@@ -10,6 +10,7 @@ of the group, so a retry starts with no orphan processes and no held ports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -29,14 +30,23 @@ class DistributedUnitError(RuntimeError):
 
 
 def torchrun_command(config: TrainConfig, args: list[str], rdzv_id: str) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.nproc_per_node}",
-           "--max-restarts=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={config.nproc_per_node}",
+        "--max-restarts=0",
+    ]
     if config.nnodes > 1:
-        cmd += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
-                f"--rdzv-id={rdzv_id}"]
+        cmd += [
+            f"--nnodes={config.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={config.rdzv_endpoint}",
+            f"--rdzv-id={rdzv_id}",
+        ]
     else:
         cmd += ["--standalone"]  # rendezvous on a free local port
-    return cmd + ["-m", "training.distributed", *args]
+    return [*cmd, "-m", "training.distributed", *args]
 
 
 def launch_unit(config: TrainConfig, *, start_checkpoint: str | None, attempt: int, generation: int, log):
@@ -47,19 +57,33 @@ def launch_unit(config: TrainConfig, *, start_checkpoint: str | None, attempt: i
         config_file, result_file = Path(tmp, "config.json"), Path(tmp, "result.json")
         config_file.write_text(config.model_dump_json())  # storage_options excluded: passed by environment
         config_file.chmod(0o600)
-        args = ["--config", str(config_file), "--result", str(result_file), "--attempt", str(attempt),
-                "--generation", str(generation)] + (["--start-checkpoint", start_checkpoint] if start_checkpoint else [])
+        args = [
+            "--config",
+            str(config_file),
+            "--result",
+            str(result_file),
+            "--attempt",
+            str(attempt),
+            "--generation",
+            str(generation),
+        ] + (["--start-checkpoint", start_checkpoint] if start_checkpoint else [])
         env = dict(os.environ)
         if config.storage_options:
             env["TRAIN_STORAGE_OPTIONS"] = json.dumps(config.storage_options)
         rdzv_id = f"{config.run_name}-g{generation}-a{attempt}"
         cmd = torchrun_command(config, args, rdzv_id)
-        log.info("unit (attempt %d): torchrun with %d process(es) per node on %d node(s)", attempt,
-                 config.nproc_per_node, config.nnodes)
+        log.info(
+            "unit (attempt %d): torchrun with %d process(es) per node on %d node(s)",
+            attempt,
+            config.nproc_per_node,
+            config.nnodes,
+        )
         code = _run_group(cmd, env, log)
         if not result_file.exists():
-            raise DistributedUnitError(f"torchrun exited with code {code} before the unit committed; all its "
-                                       f"processes were stopped (a retry resumes from the last checkpoint)")
+            raise DistributedUnitError(
+                f"torchrun exited with code {code} before the unit committed; all its "
+                f"processes were stopped (a retry resumes from the last checkpoint)"
+            )
         if code != 0:  # the result is written only after the commit: the unit is done, only teardown failed
             log.warning("torchrun exited with code %d after the unit committed; keeping its result", code)
         return UnitResult.model_validate_json(result_file.read_text())
@@ -67,17 +91,16 @@ def launch_unit(config: TrainConfig, *, start_checkpoint: str | None, attempt: i
 
 def _run_group(cmd: list[str], env: dict[str, str], log) -> int:
     """Runs ``cmd`` in a new session, relays its output, and always leaves nothing of it running."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         for line in proc.stdout:
             log.info("%s", line.rstrip())
         return proc.wait()
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # ranks torchrun could not stop, or any we were interrupted in
-        except ProcessLookupError:
-            pass
         proc.wait()
 
 
@@ -93,12 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--config", "--result", "--start-checkpoint"):
         parser.add_argument(flag)
     parser.add_argument("--attempt", type=int, default=1)
-    parser.add_argument("--generation", type=int, default=None,
-                        help="writer generation; without it rank 0 claims a new one (standalone use)")
+    parser.add_argument(
+        "--generation",
+        type=int,
+        default=None,
+        help="writer generation; without it rank 0 claims a new one (standalone use)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[rank %(rank)s] %(message)s")
-    world = World(rank=int(os.environ["RANK"]), size=int(os.environ["WORLD_SIZE"]),
-                  local_rank=int(os.environ["LOCAL_RANK"]))
+    world = World(
+        rank=int(os.environ["RANK"]), size=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ["LOCAL_RANK"])
+    )
     logging.getLogger().handlers[0].addFilter(_RankFilter(world.rank))
     # From the unit task: a config file. Standalone (e.g. a Kubernetes Job per unit): TRAIN_* variables.
     config = TrainConfig(**json.loads(Path(args.config).read_text())) if args.config else load_config([])
@@ -110,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%d process(es) joined a %s process group", world.size, dist.get_backend())
     try:
         generation = args.generation if args.generation is not None else _claim_on_rank0(config, world)
-        result = run_unit(config, start_checkpoint=args.start_checkpoint, attempt=args.attempt,
-                          generation=generation, world=world, log=logger)
+        result = run_unit(
+            config,
+            start_checkpoint=args.start_checkpoint,
+            attempt=args.attempt,
+            generation=generation,
+            world=world,
+            log=logger,
+        )
         if world.local_rank == 0 and args.result:
             Path(args.result).write_text(result.model_dump_json())
     finally:

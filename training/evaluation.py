@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 
 from checkpointing.store import STATE_FILE
 from training import session as sessions
-from training.loop import to_device
 from training.config import TrainConfig
+from training.loop import to_device
 from training.recipe import load_recipe
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from training import session as sessions
 from training.config import TrainConfig
 from training.progress import ends_unit, is_complete, unit_index
 from training.sampler import ResumableBatchSampler
-from training.session import Session, World
+from training.session import SINGLE_PROCESS, Session, World
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,15 @@ class UnitResult(BaseModel):
     world_size: int = 1
 
 
-def run_unit(config: TrainConfig, *, start_checkpoint: str | None = None, attempt: int = 1, generation: int = 0,
-             log: logging.Logger | logging.LoggerAdapter = logger, world: World = World()) -> UnitResult:
+def run_unit(
+    config: TrainConfig,
+    *,
+    start_checkpoint: str | None = None,
+    attempt: int = 1,
+    generation: int = 0,
+    log: logging.Logger | logging.LoggerAdapter = logger,
+    world: World = SINGLE_PROCESS,
+) -> UnitResult:
     """Trains one unit and commits its checkpoint. ``start_checkpoint`` is where the flow began
     (data-skip options apply only when resuming from it); ``generation`` fences stale writers."""
     store = sessions.open_store(config)
@@ -52,8 +59,15 @@ def run_unit(config: TrainConfig, *, start_checkpoint: str | None = None, attemp
         session, origin = sessions.restore(config, store, start_checkpoint, log, world)
     unit = unit_index(session.progress, config.interval)
     if world.rank == 0:
-        log.info("unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen", unit, attempt,
-                 origin, session.progress.epoch, session.progress.step, session.progress.samples_seen)
+        log.info(
+            "unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
+            unit,
+            attempt,
+            origin,
+            session.progress.epoch,
+            session.progress.step,
+            session.progress.samples_seen,
+        )
     try:
         metrics = _train(config, session, unit, attempt, log)
         info = _commit(config, store, session, metrics, generation)
@@ -67,12 +81,31 @@ def run_unit(config: TrainConfig, *, start_checkpoint: str | None = None, attemp
     p = session.progress
     if world.rank == 0:
         how = "committed in" if all(f.sha256 for f in info.manifest.files.values()) else "handed to the upload after"
-        log.info("unit %d done: loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
-                 "%d samples seen", unit, metrics["loss"], metrics["samples_per_second"], info.name,
-                 info.size_bytes / 1e6, how, metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen)
-    return UnitResult(unit=unit, checkpoint=info.uri, checkpoint_name=info.name, progress=p.as_dict(),
-                      complete=is_complete(p, config.duration), resumed_from=origin, metrics=metrics,
-                      num_train_samples=len(session.dataset), world_size=world.size)
+        log.info(
+            "unit %d done: loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
+            "%d samples seen",
+            unit,
+            metrics["loss"],
+            metrics["samples_per_second"],
+            info.name,
+            info.size_bytes / 1e6,
+            how,
+            metrics["checkpoint_seconds"],
+            p.epoch,
+            p.step,
+            p.samples_seen,
+        )
+    return UnitResult(
+        unit=unit,
+        checkpoint=info.uri,
+        checkpoint_name=info.name,
+        progress=p.as_dict(),
+        complete=is_complete(p, config.duration),
+        resumed_from=origin,
+        metrics=metrics,
+        num_train_samples=len(session.dataset),
+        world_size=world.size,
+    )
 
 
 def _commit(config: TrainConfig, store, s: Session, metrics: dict[str, float], generation: int):
@@ -99,15 +132,23 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> dic
     while not is_complete(p, config.duration):
         sampler, loader = _loader(config, s, epoch_size)
         unit_over = False
-        for (ids, global_n), batch in zip(sampler.shares(), loader):
+        for (ids, global_n), batch in zip(sampler.shares(), loader, strict=True):
             if hook is not None:
                 hook(ids)  # every step, even an empty share, so per-rank records stay aligned by step
             losses.append(_step(s, batch, weight=s.world.size * len(ids) / global_n))
             epoch_ended = p.advance(global_n, epoch_size)
             if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
                 rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
-                log.info("unit %d: step %d, epoch %d, sample %d/%d, loss %.4f, %.0f samples/s", unit, p.step,
-                         p.epoch, p.sample_in_epoch or epoch_size, epoch_size, losses[-1], rate)
+                log.info(
+                    "unit %d: step %d, epoch %d, sample %d/%d, loss %.4f, %.0f samples/s",
+                    unit,
+                    p.step,
+                    p.epoch,
+                    p.sample_in_epoch or epoch_size,
+                    epoch_size,
+                    losses[-1],
+                    rate,
+                )
             if config.inject_fault_at_step == p.step and attempt == 1:
                 raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
             if ends_unit(p, config.interval, config.duration, epoch_ended):
@@ -117,22 +158,40 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> dic
             break
     seconds = time.perf_counter() - t0
     trained = p.samples_seen - start_samples
-    return {"loss": sum(losses) / max(len(losses), 1), "samples": float(trained), "steps": float(len(losses)),
-            "train_seconds": seconds, "samples_per_second": trained / max(seconds, 1e-9)}
+    return {
+        "loss": sum(losses) / max(len(losses), 1),
+        "samples": float(trained),
+        "steps": float(len(losses)),
+        "train_seconds": seconds,
+        "samples_per_second": trained / max(seconds, 1e-9),
+    }
 
 
 def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[ResumableBatchSampler, DataLoader]:
     p = s.progress
-    sampler = ResumableBatchSampler(epoch_size, config.global_batch_size, seed=config.seed, epoch=p.epoch,
-                                    start=p.sample_in_epoch, shuffle=config.shuffle, rank=s.world.rank,
-                                    world_size=s.world.size)
+    sampler = ResumableBatchSampler(
+        epoch_size,
+        config.global_batch_size,
+        seed=config.seed,
+        epoch=p.epoch,
+        start=p.sample_in_epoch,
+        shuffle=config.shuffle,
+        rank=s.world.rank,
+        world_size=s.world.size,
+    )
     # The loader's own generator (worker seeds) is derived from the position, not from global RNG.
     generator = torch.Generator().manual_seed(hash((config.seed, p.epoch, p.sample_in_epoch, s.world.rank)) % 2**63)
     # forkserver: workers forked straight from a Prefect process (which runs threads) died at exit.
     context = "forkserver" if config.num_workers else None
-    loader = DataLoader(s.dataset, batch_sampler=sampler, num_workers=config.num_workers, generator=generator,
-                        collate_fn=getattr(s.recipe, "collate_fn", None), pin_memory=s.device.type == "cuda",
-                        multiprocessing_context=context)
+    loader = DataLoader(
+        s.dataset,
+        batch_sampler=sampler,
+        num_workers=config.num_workers,
+        generator=generator,
+        collate_fn=getattr(s.recipe, "collate_fn", None),
+        pin_memory=s.device.type == "cuda",
+        multiprocessing_context=context,
+    )
     return sampler, loader
 
 

@@ -11,9 +11,9 @@ from training.config import Duration
 class Progress:
     """Where training stands. ``sample_in_epoch`` indexes the epoch's sample order, not a batch."""
 
-    epoch: int = 0            # completed epochs
-    step: int = 0             # optimizer steps taken (continued as samples_seen // batch after a resize)
-    samples_seen: int = 0     # samples trained on, over all epochs and processes
+    epoch: int = 0  # completed epochs
+    step: int = 0  # optimizer steps taken (continued as samples_seen // batch after a resize)
+    samples_seen: int = 0  # samples trained on, over all epochs and processes
     sample_in_epoch: int = 0  # position in the current epoch's order
     global_batch_size: int = 0  # the size these counters were reached with
 
@@ -21,7 +21,7 @@ class Progress:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, int]) -> "Progress":
+    def from_dict(cls, d: dict[str, int]) -> Progress:
         return cls(**{k: int(d[k]) for k in cls.__dataclass_fields__ if k in d})
 
     def advance(self, num_samples: int, epoch_size: int) -> bool:

@@ -42,8 +42,10 @@ def load_recipe(config: TrainConfig) -> Recipe:
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except ImportError as exc:
-        raise ConfigError(f"recipe={config.recipe!r}: cannot import {module_name!r} ({exc}); "
-                          f"check the module path and that it is installed") from exc
+        raise ConfigError(
+            f"recipe={config.recipe!r}: cannot import {module_name!r} ({exc}); "
+            f"check the module path and that it is installed"
+        ) from exc
     except AttributeError as exc:
         raise ConfigError(f"recipe={config.recipe!r}: {module_name!r} has no {class_name!r}") from exc
     try:
@@ -52,6 +54,7 @@ def load_recipe(config: TrainConfig) -> Recipe:
         raise ConfigError(f"recipe_args={config.recipe_args!r}: {class_name} rejected them ({exc})") from exc
     missing = [m for m in _REQUIRED if not callable(getattr(recipe, m, None))]
     if missing:
-        raise ConfigError(f"recipe={config.recipe!r}: missing method(s) {', '.join(missing)}; "
-                          f"a recipe needs {', '.join(_REQUIRED)}")
+        raise ConfigError(
+            f"recipe={config.recipe!r}: missing method(s) {', '.join(missing)}; a recipe needs {', '.join(_REQUIRED)}"
+        )
     return recipe

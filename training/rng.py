@@ -20,8 +20,13 @@ def capture() -> dict[str, Any]:
     state: dict[str, Any] = {"python": _py_to_plain(random.getstate()), "torch": torch.get_rng_state()}
     if np is not None:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

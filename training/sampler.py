@@ -26,8 +26,18 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
 class ResumableBatchSampler(Sampler[list[int]]):
     """This rank's share of each global batch, from ``start`` (a sample position) to the epoch's end."""
 
-    def __init__(self, num_samples: int, global_batch_size: int, *, seed: int, epoch: int, start: int = 0,
-                 shuffle: bool = True, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        *,
+        seed: int,
+        epoch: int,
+        start: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if not 0 <= start <= num_samples:
             raise ValueError(f"start={start} is outside an epoch of {num_samples} samples")
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
@@ -39,8 +49,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
         epoch's short last batch has fewer samples than there are ranks."""
         order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
         for begin in range(self.start, self.num_samples, self.global_batch_size):
-            batch = order[begin:begin + self.global_batch_size]
-            yield batch[self.rank::self.world_size].tolist(), len(batch)
+            batch = order[begin : begin + self.global_batch_size]
+            yield batch[self.rank :: self.world_size].tolist(), len(batch)
 
     def __iter__(self):
         """What the DataLoader loads. An empty share loads one sample of the batch for a zero-weight step,

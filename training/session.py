@@ -43,6 +43,9 @@ class World:
         return rng_file(self.rank)
 
 
+SINGLE_PROCESS = World()
+
+
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
@@ -53,7 +56,7 @@ class Session:
 
     recipe: Recipe
     dataset: Any
-    model: torch.nn.Module          # the module itself (its state_dict is what is saved)
+    model: torch.nn.Module  # the module itself (its state_dict is what is saved)
     optimizer: torch.optim.Optimizer
     scheduler: Any
     progress: Progress
@@ -73,7 +76,7 @@ def open_store(config: TrainConfig) -> CheckpointStore:
     return CheckpointStore(config.save_folder, config.run_name, storage_options=config.storage_options, retry=retry)
 
 
-def pick_device(config: TrainConfig, world: World = World()) -> torch.device:
+def pick_device(config: TrainConfig, world: World = SINGLE_PROCESS) -> torch.device:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda': no CUDA device is visible; use device='auto' or 'cpu'")
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
@@ -102,8 +105,11 @@ def take_warm(config: TrainConfig, store: CheckpointStore, start_checkpoint: str
         rng.restore(session.rng_state)
         return session, f"checkpoint {in_flight} (in memory; its upload is in flight)"
     latest = None if in_flight else store.latest()
-    skip_applies = latest is not None and latest.name == start_checkpoint and (
-        config.ignore_data_skip or config.data_skip_steps is not None)
+    skip_applies = (
+        latest is not None
+        and latest.name == start_checkpoint
+        and (config.ignore_data_skip or config.data_skip_steps is not None)
+    )
     if latest is not None and not skip_applies and session.key == warm_key(config, store, latest.name):
         rng.restore(session.rng_state)
         return session, f"checkpoint {latest.name} (in memory, not downloaded)"
@@ -135,8 +141,9 @@ def forget_warm_state() -> None:
 
 
 # -- restore --------------------------------------------------------------------------------------
-def restore(config: TrainConfig, store: CheckpointStore, start_checkpoint: str | None, log,
-            world: World = World()) -> tuple[Session, str]:
+def restore(
+    config: TrainConfig, store: CheckpointStore, start_checkpoint: str | None, log, world: World = SINGLE_PROCESS
+) -> tuple[Session, str]:
     """Builds the recipe's objects and loads the run's latest good checkpoint, load_path, or nothing."""
     recipe = load_recipe(config)
     dataset = recipe.train_dataset()
@@ -146,8 +153,16 @@ def restore(config: TrainConfig, store: CheckpointStore, start_checkpoint: str |
     optimizer = recipe.build_optimizer(model)
     build_scheduler = getattr(recipe, "build_scheduler", None)
     scheduler = build_scheduler(optimizer) if build_scheduler else None
-    session = Session(recipe, dataset, model, optimizer, scheduler,
-                      Progress(global_batch_size=config.global_batch_size), device, world)
+    session = Session(
+        recipe,
+        dataset,
+        model,
+        optimizer,
+        scheduler,
+        Progress(global_batch_size=config.global_batch_size),
+        device,
+        world,
+    )
     origin = _load_into(config, store, session, start_checkpoint, log)
     if world.size > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -157,8 +172,7 @@ def restore(config: TrainConfig, store: CheckpointStore, start_checkpoint: str |
     return session, origin
 
 
-def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, start_checkpoint: str | None,
-               log) -> str:
+def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, start_checkpoint: str | None, log) -> str:
     files = [STATE_FILE, session.world.rng_file]
     loaded = store.load_latest(files)
     if loaded is not None:
@@ -166,8 +180,11 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, st
         _reposition(config, session, applies_skip=loaded.info.name == start_checkpoint, log=log)
         return f"checkpoint {loaded.info.name}"
     if config.load_path:
-        loaded = open_checkpoint_uri(config.load_path, storage_options=config.storage_options,
-                                     files=[STATE_FILE] if config.load_weights_only else files)
+        loaded = open_checkpoint_uri(
+            config.load_path,
+            storage_options=config.storage_options,
+            files=[STATE_FILE] if config.load_weights_only else files,
+        )
         _apply(session, loaded, weights_only=config.load_weights_only, log=log)
         if not config.load_weights_only:
             _reposition(config, session, applies_skip=True, log=log)
@@ -192,8 +209,12 @@ def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) 
         rng.restore(loaded.objects[rng_file(rank)])
     else:  # the world grew: this rank has no saved stream; derive one from the position
         rng.seed_all(loaded.info.progress.get("samples_seen", 0) * 1000 + rank)
-        log.info("rank %d: %s has no RNG state for this rank (saved with world size %s); seeded a new stream",
-                 rank, loaded.info.name, loaded.info.manifest.metadata.get("world_size"))
+        log.info(
+            "rank %d: %s has no RNG state for this rank (saved with world size %s); seeded a new stream",
+            rank,
+            loaded.info.name,
+            loaded.info.manifest.metadata.get("world_size"),
+        )
 
 
 def _reposition(config: TrainConfig, session: Session, applies_skip: bool, log) -> None:
@@ -204,23 +225,46 @@ def _reposition(config: TrainConfig, session: Session, applies_skip: bool, log) 
         old_step, old_size = p.step, p.global_batch_size
         session.progress = p = rescaled(p, new)
         if not _continue_schedule(session.scheduler, p.step):
-            log.warning("%s has no closed form: its step counter now reads %d, but its learning rate continues "
-                        "from where it was", type(session.scheduler).__name__, p.step)
-        log.info("global_batch_size changed %d -> %d: %d samples already trained; epoch %d resumes at sample "
-                 "%d of %d (nothing repeated or dropped); the step counter, LR schedule and '<n>ba' durations "
-                 "continue at step %d = %d // %d (was step %d)", old_size, new, p.samples_seen,
-                 p.epoch, p.sample_in_epoch, epoch_size, p.step, p.samples_seen, new, old_step)
+            log.warning(
+                "%s has no closed form: its step counter now reads %d, but its learning rate continues "
+                "from where it was",
+                type(session.scheduler).__name__,
+                p.step,
+            )
+        log.info(
+            "global_batch_size changed %d -> %d: %d samples already trained; epoch %d resumes at sample "
+            "%d of %d (nothing repeated or dropped); the step counter, LR schedule and '<n>ba' durations "
+            "continue at step %d = %d // %d (was step %d)",
+            old_size,
+            new,
+            p.samples_seen,
+            p.epoch,
+            p.sample_in_epoch,
+            epoch_size,
+            p.step,
+            p.samples_seen,
+            new,
+            old_step,
+        )
     p.global_batch_size = new
     if not applies_skip:
         return
     if config.ignore_data_skip and p.sample_in_epoch:
-        log.info("ignore_data_skip: epoch %d restarts from its first sample (was at sample %d)",
-                 p.epoch, p.sample_in_epoch)
+        log.info(
+            "ignore_data_skip: epoch %d restarts from its first sample (was at sample %d)", p.epoch, p.sample_in_epoch
+        )
         p.sample_in_epoch = 0
     elif config.data_skip_steps is not None:
         target = min(config.data_skip_steps * new, epoch_size)
-        log.info("data_skip_steps=%d: epoch %d resumes at sample %d (= %d batches of %d; was sample %d)",
-                 config.data_skip_steps, p.epoch, target, config.data_skip_steps, new, p.sample_in_epoch)
+        log.info(
+            "data_skip_steps=%d: epoch %d resumes at sample %d (= %d batches of %d; was sample %d)",
+            config.data_skip_steps,
+            p.epoch,
+            target,
+            config.data_skip_steps,
+            new,
+            p.sample_in_epoch,
+        )
         p.sample_in_epoch = target
 
 
@@ -232,42 +276,75 @@ def _continue_schedule(scheduler: Any, step: int) -> bool:
     scheduler.last_epoch = step
     closed_form = getattr(scheduler, "_get_closed_form_lr", None)
     if closed_form is None and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        closed_form = lambda: [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]  # noqa: E731
+
+        def closed_form() -> list[float]:
+            return [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+
     if closed_form is not None:
         lrs = closed_form()
-        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         scheduler._last_lr = list(lrs)
     return closed_form is not None
 
 
 # -- save -----------------------------------------------------------------------------------------
-def save(config: TrainConfig, store: CheckpointStore, s: Session, metrics: dict[str, float], generation: int,
-         rng_states: list[dict[str, Any]] | None = None) -> CheckpointInfo:
+def save(
+    config: TrainConfig,
+    store: CheckpointStore,
+    s: Session,
+    metrics: dict[str, float],
+    generation: int,
+    rng_states: list[dict[str, Any]] | None = None,
+) -> CheckpointInfo:
     """Serializes the session (the only stall) and commits it, in the background when async upload is on.
 
     ``rng_states`` holds every rank's RNG state (gathered by rank 0) when several processes train."""
     p = s.progress
     s.rng_state = rng.capture()
-    state = {"state": {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
-                       "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None},
-             "progress": p.as_dict()}
-    metadata = {"config_fingerprint": config.fingerprint(), "recipe": config.recipe,
-                "global_batch_size": config.global_batch_size, "world_size": s.world.size, "seed": config.seed,
-                "metrics": {k: float(v) for k, v in metrics.items()}}
+    state = {
+        "state": {
+            "model": s.model.state_dict(),
+            "optimizer": s.optimizer.state_dict(),
+            "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
+        },
+        "progress": p.as_dict(),
+    }
+    metadata = {
+        "config_fingerprint": config.fingerprint(),
+        "recipe": config.recipe,
+        "global_batch_size": config.global_batch_size,
+        "world_size": s.world.size,
+        "seed": config.seed,
+        "metrics": {k: float(v) for k, v in metrics.items()},
+    }
     name = f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}"
     t0 = time.perf_counter()
     objects = {STATE_FILE: state}
     objects.update({rng_file(r): st for r, st in enumerate(rng_states or [s.rng_state])})
     blobs = serialize(objects)
-    score = (config.checkpoint_score_attribute, config.checkpoint_score_order) if config.checkpoint_score_attribute else None
-    args = dict(progress=p.as_dict(), metadata=metadata, writer=Writer.current(generation),
-                keep=config.num_checkpoints_to_keep, score=score)
+    score = (
+        (config.checkpoint_score_attribute, config.checkpoint_score_order)
+        if config.checkpoint_score_attribute
+        else None
+    )
+    args = dict(
+        progress=p.as_dict(),
+        metadata=metadata,
+        writer=Writer.current(generation),
+        keep=config.num_checkpoints_to_keep,
+        score=score,
+    )
     if use_async_upload(config, store) and s.world.size == 1:
         uploader.submit(store, name, blobs, **args)  # waits for the previous upload first
         # Provisional: sizes only. The committer hashes the bytes off the training thread.
-        manifest = Manifest(name=name, files={f: FileEntry(len(b), "") for f, b in blobs.items()},
-                            progress=p.as_dict(), metadata=metadata, writer=args["writer"])
+        manifest = Manifest(
+            name=name,
+            files={f: FileEntry(len(b), "") for f, b in blobs.items()},
+            progress=p.as_dict(),
+            metadata=metadata,
+            writer=args["writer"],
+        )
         info = CheckpointInfo(name=name, uri=store.storage.uri(f"checkpoints/{name}"), manifest=manifest)
     else:
         info = commit_and_prune(store, name, blobs, **args)

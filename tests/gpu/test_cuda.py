@@ -20,9 +20,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def config(tmp_path, name: str, **kw) -> TrainConfig:
-    values = dict(run_name=name, save_folder=str(tmp_path / "runs"), recipe="recipes.synthetic:SyntheticRecipe",
-                  recipe_args={"num_samples": 512, "hidden": 256}, max_duration="4ep", save_interval="1ep",
-                  global_batch_size=32, device="cuda", seed=3)
+    values = dict(
+        run_name=name,
+        save_folder=str(tmp_path / "runs"),
+        recipe="recipes.synthetic:SyntheticRecipe",
+        recipe_args={"num_samples": 512, "hidden": 256},
+        max_duration="4ep",
+        save_interval="1ep",
+        global_batch_size=32,
+        device="cuda",
+        seed=3,
+    )
     values.update(kw)
     return TrainConfig(**values)
 

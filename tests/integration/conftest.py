@@ -32,12 +32,16 @@ class RunningStack:
 
     def __init__(self, home: Path, logs: Path):
         self.logs = logs
-        self.stack = stacks.Stack(home=home, port=free_port(), extra_env={
-            "PYTHONPATH": str(ROOT),  # flow-run processes import the tests' recipes
-            "PREFECT_LOGGING_LEVEL": "INFO",  # flow-run logs reach the API, where tests read them
-            "PREFECT_WORKER_QUERY_SECONDS": "1",
-            "PREFECT_LOGGING_SERVER_LEVEL": "INFO",  # server.log shows which events each automation saw
-        })
+        self.stack = stacks.Stack(
+            home=home,
+            port=free_port(),
+            extra_env={
+                "PYTHONPATH": str(ROOT),  # flow-run processes import the tests' recipes
+                "PREFECT_LOGGING_LEVEL": "INFO",  # flow-run logs reach the API, where tests read them
+                "PREFECT_WORKER_QUERY_SECONDS": "1",
+                "PREFECT_LOGGING_SERVER_LEVEL": "INFO",  # server.log shows which events each automation saw
+            },
+        )
         self.server: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
         self.started: list[subprocess.Popen] = []

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from uuid import UUID
 
@@ -46,8 +46,14 @@ from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-SYNTHETIC = {"recipe": "recipes.synthetic:SyntheticRecipe", "global_batch_size": 32, "seed": 7,
-             "max_duration": "3ep", "save_interval": "1ep", "unit_retries": 0}
+SYNTHETIC = {
+    "recipe": "recipes.synthetic:SyntheticRecipe",
+    "global_batch_size": 32,
+    "seed": 7,
+    "max_duration": "3ep",
+    "save_interval": "1ep",
+    "unit_retries": 0,
+}
 PAUSING = "tests.integration.deploy_recipes:PausingRecipe"
 
 
@@ -57,8 +63,14 @@ def client(stack) -> SyncPrefectClient:
 
 
 def prefect_cli(stack, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=stack.env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        cwd=ROOT,
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_id_from(output: str) -> UUID:
@@ -107,8 +119,9 @@ def state_names(stack, run_id: UUID) -> list[str]:
 def logs_of(stack, run_id: UUID) -> str:
     """Log text of a flow run and of its subflow runs."""
     with client(stack) as c:
-        children = c.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])))
+        children = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id]))
+        )
         ids = [run_id, *[r.id for r in children]]
         logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
     return "\n".join(log.message for log in logs)
@@ -157,15 +170,24 @@ def checkpoints(folder: Path, run_name: str) -> dict[str, object]:
 def pause_config(folder: Path, run_name: str, markers: Path, **overrides) -> dict:
     # 8 batches per epoch: the process stops in unit 1, after checkpoint ep1 was committed.
     args = {"num_samples": 256, "marker_dir": str(markers), "pause_after_batches": 12}
-    return {**SYNTHETIC, "run_name": run_name, "save_folder": str(folder), "recipe": PAUSING,
-            "recipe_args": args, **overrides}
+    return {
+        **SYNTHETIC,
+        "run_name": run_name,
+        "save_folder": str(folder),
+        "recipe": PAUSING,
+        "recipe_args": args,
+        **overrides,
+    }
 
 
 def scheduled_runs(stack, deployment_id: UUID) -> list[FlowRun]:
     with client(stack) as c:
-        return c.read_flow_runs(flow_run_filter=FlowRunFilter(
-            deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+        return c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+            )
+        )
 
 
 def read_automations(stack) -> dict:
@@ -180,7 +202,7 @@ def test_nightly_schedule_from_prefect_yaml_creates_runs_at_three_utc(prefect_st
 
     runs = wait_for(lambda: scheduled_runs(prefect_stack, deployment.id), 120, "the scheduler to create nightly runs")
 
-    starts = [r.expected_start_time.astimezone(timezone.utc) for r in runs]
+    starts = [r.expected_start_time.astimezone(UTC) for r in runs]
     assert all((t.hour, t.minute) == (3, 0) for t in starts), starts
     assert len({t.date() for t in starts}) == len(starts)  # one a night
     assert runs[0].parameters["run_prefix"] == "nightly" and runs[0].parameters["config"] == {"max_duration": "3ep"}
@@ -202,17 +224,31 @@ def test_installing_the_automations_again_updates_them_in_place(prefect_stack):
         install_automations(prefect_stack.stack, "--within", str(HEARTBEAT_WITHIN_SECONDS))
 
     assert {n: [a.id for a in found] for n, found in after.items()} == {
-        n: [a.id for a in found] for n, found in before.items()}  # one of each, the same objects
+        n: [a.id for a in found] for n, found in before.items()
+    }  # one of each, the same objects
     assert after[HEARTBEAT_LOST][0].trigger.within == timedelta(seconds=75)
     assert set(after[RESTART_CRASHED][0].trigger.match_related.root["prefect.resource.id"]) == deployment_ids
 
 
 def test_deployment_run_from_the_cli_completes_with_checkpoints_and_artifacts(prefect_stack, tmp_path):
-    config = {**SYNTHETIC, "run_name": "cli-run", "save_folder": str(tmp_path / "runs"),
-              "recipe_args": {"num_samples": 256}}
+    config = {
+        **SYNTHETIC,
+        "run_name": "cli-run",
+        "save_folder": str(tmp_path / "runs"),
+        "recipe_args": {"num_samples": 256},
+    }
 
-    proc = prefect_cli(prefect_stack, "deployment", "run", "train/default", "--params",
-                       json.dumps({"config": config}), "--watch", "--watch-timeout", "240")
+    proc = prefect_cli(
+        prefect_stack,
+        "deployment",
+        "run",
+        "train/default",
+        "--params",
+        json.dumps({"config": config}),
+        "--watch",
+        "--watch-timeout",
+        "240",
+    )
 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = read_run(prefect_stack, run_id_from(proc.stdout))
@@ -230,8 +266,11 @@ def test_deployment_run_from_the_cli_completes_with_checkpoints_and_artifacts(pr
 def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefect_stack, tmp_path):
     folder, markers = tmp_path / "runs", tmp_path / "markers"
     run_id = start_run(prefect_stack, "train/default", {"config": pause_config(folder, "killed", markers)})
-    paused_pid = int(wait_for(lambda: (markers / "paused").exists() and (markers / "paused").read_text(),
-                              240, "the run to reach unit 1"))
+    paused_pid = int(
+        wait_for(
+            lambda: (markers / "paused").exists() and (markers / "paused").read_text(), 240, "the run to reach unit 1"
+        )
+    )
 
     victim = flow_run_process(prefect_stack.worker.pid, run_id)
     assert victim == paused_pid  # the worker's child for this run is the process that trains it
@@ -252,9 +291,14 @@ def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefec
 
 def test_run_that_keeps_dying_stops_at_max_restarts_as_failed(prefect_stack, tmp_path):
     markers = tmp_path / "markers"
-    config = {**SYNTHETIC, "run_name": "doomed", "save_folder": str(tmp_path / "runs"), "max_restarts": 1,
-              "recipe": "tests.integration.deploy_recipes:DyingRecipe",
-              "recipe_args": {"num_samples": 256, "marker_dir": str(markers)}}
+    config = {
+        **SYNTHETIC,
+        "run_name": "doomed",
+        "save_folder": str(tmp_path / "runs"),
+        "max_restarts": 1,
+        "recipe": "tests.integration.deploy_recipes:DyingRecipe",
+        "recipe_args": {"num_samples": 256, "marker_dir": str(markers)},
+    }
 
     # `-p key=<JSON>` is parsed as JSON by the Prefect 3.8 CLI, the same as --params.
     proc = prefect_cli(prefect_stack, "deployment", "run", "train/default", "-p", f"config={json.dumps(config)}")
@@ -273,9 +317,15 @@ def test_retraining_warm_starts_from_the_release_and_promotes_only_models_not_wo
     release = folder / "release.json"
 
     def tick(day: int, **recipe_args) -> dict:
-        config = {"recipe": "recipes.digits:DigitsRecipe", "recipe_args": recipe_args, "max_duration": "1ep",
-                  "global_batch_size": 64, "save_folder": str(folder), "unit_retries": 0}
-        scheduled = datetime(2026, 1, day, 3, 0, tzinfo=timezone.utc)
+        config = {
+            "recipe": "recipes.digits:DigitsRecipe",
+            "recipe_args": recipe_args,
+            "max_duration": "1ep",
+            "global_batch_size": 64,
+            "save_folder": str(folder),
+            "unit_retries": 0,
+        }
+        scheduled = datetime(2026, 1, day, 3, 0, tzinfo=UTC)
         run_id = start_run(prefect_stack, "retrain/nightly", {"config": config, "run_prefix": "tick"}, scheduled)
         wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
         logs = logs_containing(prefect_stack, run_id, "unit 0 (attempt 1): starting from", "retrain decision:")

@@ -38,13 +38,22 @@ def test_two_gloo_processes_complete_the_run_with_the_expected_counters(make_con
 def test_two_then_one_then_two_processes_see_every_sample_once_per_epoch(make_config, tmp_path):
     n, record = 225, tmp_path / "ids"  # 225 = 7 x 32 + 1: an epoch ends with a one-sample batch
     args = {"num_samples": n, "record_dir": str(record)}
-    plan = [(2, 32, "5ba", "5ba"),    # 160 samples on 2 ranks, stop mid-epoch
-            (1, 16, "14ba", "2ba"),   # same per-rank batch on 1 rank: resumes at step 160 // 16 = 10
-            (2, 32, "2ep", "1ep")]    # back to 2 ranks: resumes at step 224 // 32 = 7, then a 1-sample batch
+    plan = [
+        (2, 32, "5ba", "5ba"),  # 160 samples on 2 ranks, stop mid-epoch
+        (1, 16, "14ba", "2ba"),  # same per-rank batch on 1 rank: resumes at step 160 // 16 = 10
+        (2, 32, "2ep", "1ep"),
+    ]  # back to 2 ranks: resumes at step 224 // 32 = 7, then a 1-sample batch
     global_steps = []
     for segment, (nproc, gbs, duration, interval) in enumerate(plan):
-        train(make_config(nproc_per_node=nproc, global_batch_size=gbs, max_duration=duration,
-                          save_interval=interval, recipe_args=args))
+        train(
+            make_config(
+                nproc_per_node=nproc,
+                global_batch_size=gbs,
+                max_duration=duration,
+                save_interval=interval,
+                recipe_args=args,
+            )
+        )
         global_steps += steps_by_rank(record, nproc)
         for f in record.glob("ids-rank*.txt"):
             f.rename(record / f"segment{segment}-{f.name}")
@@ -62,16 +71,23 @@ def rank_processes(rank: int) -> list[int]:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"training.distributed" in cmdline and b"torch.distributed.run" not in cmdline and \
-                (rank is None or f"RANK={rank}".encode() in environ):
+        if (
+            b"training.distributed" in cmdline
+            and b"torch.distributed.run" not in cmdline
+            and (rank is None or f"RANK={rank}".encode() in environ)
+        ):
             pids.append(int(pid))
     return pids
 
 
 def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_config, tmp_path):
     record = tmp_path / "ids"
-    config = make_config(nproc_per_node=2, max_duration="3ep", global_batch_size=16,
-                         recipe_args={"num_samples": 4000, "hidden": 256, "record_dir": str(record)})
+    config = make_config(
+        nproc_per_node=2,
+        max_duration="3ep",
+        global_batch_size=16,
+        recipe_args={"num_samples": 4000, "hidden": 256, "record_dir": str(record)},
+    )
     outcome: dict = {}
     runner = threading.Thread(target=lambda: outcome.update(result=train(config)))
     runner.start()

@@ -25,15 +25,17 @@ def test_resizing_the_global_batch_mid_epoch_repeats_and_drops_no_sample(make_co
     # epoch's short last batch), 48, 48 -> 336 samples. 20: resumes at step 336 // 20 = 16; 144 samples
     # left in epoch 1 (7 batches + a short one of 4) and 12 batches in epoch 2 -> step 36, 720 samples.
     plan = [(32, "5ba"), (48, "7ba"), (20, "3ep")]
-    results = [train(make_config(global_batch_size=gbs, max_duration=dur, save_interval="2ba", recipe_args=args))
-               for gbs, dur in plan]
+    results = [
+        train(make_config(global_batch_size=gbs, max_duration=dur, save_interval="2ba", recipe_args=args))
+        for gbs, dur in plan
+    ]
 
     assert [(r.step, r.samples_seen) for r in results] == [(5, 160), (7, 336), (36, 720)]
     seen = recorded_ids(record)
     assert len(seen) == 3 * N
     for epoch in range(3):
-        assert sorted(seen[epoch * N:(epoch + 1) * N]) == list(range(N)), f"epoch {epoch}"
-        assert seen[epoch * N:(epoch + 1) * N] == epoch_order(N, 7, epoch).tolist()
+        assert sorted(seen[epoch * N : (epoch + 1) * N]) == list(range(N)), f"epoch {epoch}"
+        assert seen[epoch * N : (epoch + 1) * N] == epoch_order(N, 7, epoch).tolist()
 
 
 def test_ignore_data_skip_restarts_the_epoch_once(make_config, tmp_path):
@@ -52,10 +54,11 @@ def test_data_skip_steps_skips_batches_of_the_new_size_from_the_epoch_start(make
     args = {"num_samples": N, "record_dir": str(record)}
     train(make_config(max_duration="5ba", save_interval="5ba", recipe_args=args))
     (record / "ids-rank0.txt").unlink()
-    train(make_config(global_batch_size=48, max_duration="1ep", save_interval="1ba", data_skip_steps=2,
-                      recipe_args=args))
+    train(
+        make_config(global_batch_size=48, max_duration="1ep", save_interval="1ba", data_skip_steps=2, recipe_args=args)
+    )
 
-    assert recorded_ids(record) == epoch_order(N, 7, 0).tolist()[2 * 48:]
+    assert recorded_ids(record) == epoch_order(N, 7, 0).tolist()[2 * 48 :]
 
 
 def test_mid_epoch_resume_with_loader_workers_is_bit_identical(make_config):
@@ -65,11 +68,17 @@ def test_mid_epoch_resume_with_loader_workers_is_bit_identical(make_config):
 
     assert faulty.units[3].resumed_from.startswith("checkpoint ep1-ba9")  # a mid-epoch checkpoint
     assert clean.samples_seen == faulty.samples_seen == 2 * N
-    weights = [CheckpointStore(r.checkpoint.rsplit("/", 3)[0], r.run_name).load_latest(["state.pt"])
-               .objects["state.pt"]["state"] for r in (clean, faulty)]
+    weights = [
+        CheckpointStore(r.checkpoint.rsplit("/", 3)[0], r.run_name)
+        .load_latest(["state.pt"])
+        .objects["state.pt"]["state"]
+        for r in (clean, faulty)
+    ]
     for part in ("model", "optimizer", "scheduler"):
-        assert torch.equal(torch.cat([t.flatten().float() for t in _tensors(weights[0][part])]),
-                           torch.cat([t.flatten().float() for t in _tensors(weights[1][part])])), part
+        assert torch.equal(
+            torch.cat([t.flatten().float() for t in _tensors(weights[0][part])]),
+            torch.cat([t.flatten().float() for t in _tensors(weights[1][part])]),
+        ), part
     assert weights[0]["scheduler"] == weights[1]["scheduler"]
 
 

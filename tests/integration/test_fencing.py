@@ -20,13 +20,31 @@ pytestmark = pytest.mark.slow
 def command(folder: Path) -> list[str]:
     # The first process to take 20 steps waits there while the gate file exists (see GatedRecipe).
     args = {"num_samples": 1024, "gate_file": str(folder.parent / "gate"), "gate_at_step": 20}
-    return [sys.executable, "-m", "flows.train", "--run_name", "f", "--save_folder", str(folder),
-            "--recipe", "tests.recipes_for_tests:GatedRecipe", "--recipe_args", json.dumps(args),
-            "--max_duration", "2ep", "--save_interval", "8ba", "--global_batch_size", "32", "--unit_retries", "0"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.train",
+        "--run_name",
+        "f",
+        "--save_folder",
+        str(folder),
+        "--recipe",
+        "tests.recipes_for_tests:GatedRecipe",
+        "--recipe_args",
+        json.dumps(args),
+        "--max_duration",
+        "2ep",
+        "--save_interval",
+        "8ba",
+        "--global_batch_size",
+        "32",
+        "--unit_retries",
+        "0",
+    ]
 
 
 def start(folder: Path, env: dict, name: str) -> subprocess.Popen:
-    out = open(folder.parent / f"{name}.log", "w")
+    out = open(folder.parent / f"{name}.log", "w")  # noqa: SIM115 - the child writes it until it exits
     return subprocess.Popen(command(folder), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -23,14 +23,33 @@ RECIPE_ARGS = {"num_samples": 256, "hidden": 1536, "num_layers": 3}
 
 
 def command(folder: Path) -> list[str]:
-    return [sys.executable, "-m", "flows.train", "--run_name", "k", "--save_folder", str(folder),
-            "--recipe", "recipes.synthetic:SyntheticRecipe", "--recipe_args", json.dumps(RECIPE_ARGS),
-            "--max_duration", "16ba", "--save_interval", "2ba", "--global_batch_size", "32", "--seed", "7",
-            "--unit_retries", "0"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.train",
+        "--run_name",
+        "k",
+        "--save_folder",
+        str(folder),
+        "--recipe",
+        "recipes.synthetic:SyntheticRecipe",
+        "--recipe_args",
+        json.dumps(RECIPE_ARGS),
+        "--max_duration",
+        "16ba",
+        "--save_interval",
+        "2ba",
+        "--global_batch_size",
+        "32",
+        "--seed",
+        "7",
+        "--unit_retries",
+        "0",
+    ]
 
 
 def launch(folder: Path, env: dict, log_name: str) -> subprocess.Popen:
-    log = open(folder.parent / f"{log_name}.log", "w")
+    log = open(folder.parent / f"{log_name}.log", "w")  # noqa: SIM115 - the child writes it until it exits
     return subprocess.Popen(command(folder), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

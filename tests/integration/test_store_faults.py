@@ -49,17 +49,28 @@ TRANSIENT = {  # what a store or the network in front of it answers, that a retr
     "502 from a proxy, HTML": (502, "text/html", b"<html><body>Bad Gateway</body></html>"),
     "504 without a body": (504, "text/plain", b""),
     "429 TooManyRequests": (429, "application/xml", error_xml("TooManyRequests", "Too many requests")),
-    "400 RequestTimeout": (400, "application/xml", error_xml("RequestTimeout", "Your socket connection to the "
-                                                             "server was not read from within the timeout period.")),
+    "400 RequestTimeout": (
+        400,
+        "application/xml",
+        error_xml(
+            "RequestTimeout", "Your socket connection to the server was not read from within the timeout period."
+        ),
+    ),
     "connection dropped": DROP,
     "write landed, reply lost": DROP_AFTER,
 }
 PERMANENT = {  # ... and what no retry cures
     "403 AccessDenied": (403, "application/xml", error_xml("AccessDenied", "Access Denied")),
-    "403 InvalidAccessKeyId": (403, "application/xml", error_xml("InvalidAccessKeyId", "The AWS Access Key Id you "
-                                                                 "provided does not exist in our records.")),
-    "400 InvalidArgument quoting 500": (400, "application/xml", error_xml("InvalidArgument", "Part 500 of "
-                                                                          "checkpoints/step-500 is invalid")),
+    "403 InvalidAccessKeyId": (
+        403,
+        "application/xml",
+        error_xml("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
+    ),
+    "400 InvalidArgument quoting 500": (
+        400,
+        "application/xml",
+        error_xml("InvalidArgument", "Part 500 of checkpoints/step-500 is invalid"),
+    ),
 }
 
 
@@ -74,10 +85,12 @@ def _do(storage: Storage, op: str) -> bytes:
     return storage.get_hashed("obj")[0]
 
 
-@pytest.mark.parametrize("op, fault", [(op, f) for op in PATTERN for f in TRANSIENT
-                                       if (op, f) != ("get", "400 RequestTimeout")])  # S3 sends that on uploads only
-def test_a_transient_fault_is_retried_by_our_layer_until_it_passes(s3, moto_server, no_library_retries, caplog,
-                                                                   op, fault):
+@pytest.mark.parametrize(
+    "op, fault", [(op, f) for op in PATTERN for f in TRANSIENT if (op, f) != ("get", "400 RequestTimeout")]
+)  # S3 sends that on uploads only
+def test_a_transient_fault_is_retried_by_our_layer_until_it_passes(
+    s3, moto_server, no_library_retries, caplog, op, fault
+):
     folder, _ = s3
     with FaultProxy(moto_server) as proxy:
         storage = Storage(folder, through(proxy, **no_library_retries), FAST_RETRY)
@@ -114,23 +127,33 @@ def test_a_denied_write_fails_at_once_and_latest_stays_put(s3, moto_server, no_l
         store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
         store.save("c0", {"state.pt": {"w": torch.zeros(1)}}, progress={"samples_seen": 1})
         proxy.deny = re.compile(r"PUT .*/checkpoints/c1/state\.pt")
-        with caplog.at_level(logging.WARNING, logger=RETRY_LOG):
-            with pytest.raises(StorageError, match=r"put checkpoints/c1/state.pt at .* failed \(permanent\): "
-                                                   r"PermissionError: Access Denied"):
-                store.save("c1", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 2})
+        with (
+            caplog.at_level(logging.WARNING, logger=RETRY_LOG),
+            pytest.raises(
+                StorageError,
+                match=r"put checkpoints/c1/state.pt at .* failed \(permanent\): "
+                r"PermissionError: Access Denied",
+            ),
+        ):
+            store.save("c1", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 2})
         assert proxy.seen(r"PUT .*/checkpoints/c1/state\.pt") == [403]
         assert our_retries(caplog) == []
         assert store.latest().name == "c0"
 
 
-def test_a_bucket_that_does_not_exist_fails_at_the_first_read_not_as_an_empty_run(moto_server, s3, no_library_retries,
-                                                                                  caplog):
+def test_a_bucket_that_does_not_exist_fails_at_the_first_read_not_as_an_empty_run(
+    moto_server, s3, no_library_retries, caplog
+):
     with FaultProxy(moto_server) as proxy:
-        store = CheckpointStore("s3://no-such-bucket-here/runs", "r", storage_options=through(proxy, **no_library_retries),
-                                retry=FAST_RETRY)
+        store = CheckpointStore(
+            "s3://no-such-bucket-here/runs", "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY
+        )
         with caplog.at_level(logging.WARNING, logger=RETRY_LOG):
-            with pytest.raises(StorageError, match=r"get latest at s3://no-such-bucket-here/runs/r failed \(permanent\)"
-                                                   r": no such bucket .*fix save_folder"):
+            with pytest.raises(
+                StorageError,
+                match=r"get latest at s3://no-such-bucket-here/runs/r failed \(permanent\)"
+                r": no such bucket .*fix save_folder",
+            ):
                 store.latest()  # before the fix: None, and a run would silently start from scratch
             with pytest.raises(StorageError, match="no such bucket"):
                 store.save("c0", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 1})
@@ -138,14 +161,19 @@ def test_a_bucket_that_does_not_exist_fails_at_the_first_read_not_as_an_empty_ru
         assert our_retries(caplog) == []
 
 
-def test_twenty_percent_transient_faults_are_absorbed_and_every_checkpoint_verifies(s3, moto_server,
-                                                                                    no_library_retries, caplog):
+def test_twenty_percent_transient_faults_are_absorbed_and_every_checkpoint_verifies(
+    s3, moto_server, no_library_retries, caplog
+):
     folder, _ = s3
     with FaultProxy(moto_server, fault_rate=0.2, seed=1) as proxy, caplog.at_level(logging.WARNING, logger=RETRY_LOG):
         store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
         for i in range(5):
-            store.save(f"c{i}", {"state.pt": {"w": torch.full((1000,), float(i))}}, progress={"samples_seen": i},
-                       writer=Writer.current(1))
+            store.save(
+                f"c{i}",
+                {"state.pt": {"w": torch.full((1000,), float(i))}},
+                progress={"samples_seen": i},
+                writer=Writer.current(1),
+            )
             assert torch.equal(store.load_latest().objects["state.pt"]["w"], torch.full((1000,), float(i)))
         assert [i.name for i in store.list()] == [f"c{i}" for i in range(5)]
         assert all(store.check(i, deep=True) == [] for i in store.list())
@@ -155,12 +183,18 @@ def test_twenty_percent_transient_faults_are_absorbed_and_every_checkpoint_verif
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_full_training_run_completes_through_twenty_percent_faults(s3, moto_server, no_library_retries, make_config,
-                                                                     caplog):
+def test_a_full_training_run_completes_through_twenty_percent_faults(
+    s3, moto_server, no_library_retries, make_config, caplog
+):
     folder, _ = s3
     with FaultProxy(moto_server, fault_rate=0.2, seed=2) as proxy, caplog.at_level(logging.WARNING, logger=RETRY_LOG):
-        config = make_config(save_folder=folder, storage_options=through(proxy, **no_library_retries),
-                             max_duration="4ep", store_retry_attempts=12, unit_retries=0)  # no Prefect retry to help
+        config = make_config(
+            save_folder=folder,
+            storage_options=through(proxy, **no_library_retries),
+            max_duration="4ep",
+            store_retry_attempts=12,
+            unit_retries=0,
+        )  # no Prefect retry to help
         result = train(config)
         assert (result.epoch, result.samples_seen) == (4, 4 * 256)
         store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
@@ -170,7 +204,9 @@ def test_a_full_training_run_completes_through_twenty_percent_faults(s3, moto_se
 
 
 def _files_holding(secret: str, *folders: Path) -> list[str]:
-    return [str(p) for folder in folders for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    return [
+        str(p) for folder in folders for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()
+    ]
 
 
 @pytest.mark.slow
@@ -180,8 +216,9 @@ def test_credentials_are_never_stored_or_logged(s3, moto_server, make_config, ca
 
     folder, options = s3
     secret = "S3CR3T-never-store-me"  # moto accepts any key pair; a user might (unwisely) pass one in the options
-    config = make_config(save_folder=folder, max_duration="2ep",
-                         storage_options={**options, "key": "AKIAEXAMPLEKEY", "secret": secret})
+    config = make_config(
+        save_folder=folder, max_duration="2ep", storage_options={**options, "key": "AKIAEXAMPLEKEY", "secret": secret}
+    )
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.INFO, logger="prefect")
     result = train(config)
@@ -199,7 +236,6 @@ def test_credentials_are_never_stored_or_logged(s3, moto_server, make_config, ca
         assert _files_holding(leaked, database, PREFECT_HOME.value()) == []
 
 
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(s3, moto_server, make_config, tmp_path):
@@ -207,8 +243,13 @@ def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(s
     record = tmp_path / "ids"
     with FaultProxy(moto_server) as proxy:
         proxy.hold = re.compile(r"PUT .*/checkpoints/ep1-[^/]*/state\.pt")  # unit 0's upload
-        config = make_config(save_folder=folder, storage_options=through(proxy), max_duration="3ep",
-                             async_upload=True, recipe_args={"num_samples": 256, "record_dir": str(record)})
+        config = make_config(
+            save_folder=folder,
+            storage_options=through(proxy),
+            max_duration="3ep",
+            async_upload=True,
+            recipe_args={"num_samples": 256, "record_dir": str(record)},
+        )
         outcome: dict = {}
         runner = threading.Thread(target=lambda: outcome.update(result=train(config)))
         runner.start()
@@ -232,8 +273,9 @@ def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(s
 
 
 @pytest.mark.slow
-def test_a_kill_during_an_upload_leaves_latest_on_the_previous_verified_checkpoint(s3, moto_server, prefect_env,
-                                                                                    tmp_path):
+def test_a_kill_during_an_upload_leaves_latest_on_the_previous_verified_checkpoint(
+    s3, moto_server, prefect_env, tmp_path
+):
     import os
     import signal
     import subprocess
@@ -242,15 +284,36 @@ def test_a_kill_during_an_upload_leaves_latest_on_the_previous_verified_checkpoi
     from tests.conftest import ROOT
 
     folder, options = s3
-    args = ["--run_name", "k", "--recipe", "recipes.synthetic:SyntheticRecipe", "--max_duration", "3ep",
-            "--global_batch_size", "32", "--seed", "7", "--unit_retries", "0", "--async_upload", "true"]
-    env = {**prefect_env, **{k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                                         "AWS_DEFAULT_REGION")}}
+    args = [
+        "--run_name",
+        "k",
+        "--recipe",
+        "recipes.synthetic:SyntheticRecipe",
+        "--max_duration",
+        "3ep",
+        "--global_batch_size",
+        "32",
+        "--seed",
+        "7",
+        "--unit_retries",
+        "0",
+        "--async_upload",
+        "true",
+    ]
+    env = {
+        **prefect_env,
+        **{k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")},
+    }
 
     def launch(save_folder: str, endpoint: str, log: str) -> subprocess.Popen:
         child_env = {**env, "TRAIN_STORAGE_OPTIONS": json.dumps({"client_kwargs": {"endpoint_url": endpoint}})}
-        return subprocess.Popen([sys.executable, "-m", "flows.train", "--save_folder", save_folder, *args], cwd=ROOT,
-                                env=child_env, stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.train", "--save_folder", save_folder, *args],
+            cwd=ROOT,
+            env=child_env,
+            stdout=open(tmp_path / log, "w"),
+            stderr=subprocess.STDOUT,
+        )
 
     direct = options["client_kwargs"]["endpoint_url"]
     reference = launch(folder.replace("/runs", "/reference"), direct, "reference.log")

@@ -50,7 +50,12 @@ def test_rerun_after_completion_trains_nothing_and_returns_same_result(make_conf
     assert again.units == []
     assert again.started_from == f"checkpoint {first.units[-1].checkpoint_name}"
     assert (again.checkpoint, again.epoch, again.step, again.samples_seen, again.metrics) == (
-        first.checkpoint, first.epoch, first.step, first.samples_seen, first.metrics)
+        first.checkpoint,
+        first.epoch,
+        first.step,
+        first.samples_seen,
+        first.metrics,
+    )
 
 
 def test_larger_max_duration_continues_from_last_checkpoint(make_config):
@@ -69,8 +74,13 @@ def test_load_path_with_weights_only_warm_starts_a_new_run(make_config):
     source = make_config(run_name="source")
     done = train(source)
     # lr=0 leaves the weights untouched, so the new run's weights must be exactly the loaded ones.
-    tuned = make_config(run_name="tuned", max_duration="1ep", load_path=done.checkpoint, load_weights_only=True,
-                        recipe_args={"num_samples": 256, "lr": 0.0})
+    tuned = make_config(
+        run_name="tuned",
+        max_duration="1ep",
+        load_path=done.checkpoint,
+        load_weights_only=True,
+        recipe_args={"num_samples": 256, "lr": 0.0},
+    )
     result = train(tuned)
 
     assert result.units[0].resumed_from == f"weights of {done.checkpoint} (load_path)"
@@ -90,8 +100,7 @@ def test_retention_keeps_exactly_num_checkpoints_to_keep_including_latest(make_c
 
 def test_failed_attempt_state_is_freed_before_the_retry(make_config):
     recipes_for_tests.BUILT_MODELS.clear()
-    config = make_config(recipe="tests.recipes_for_tests:TrackingRecipe", max_duration="2ep",
-                         inject_fault_at_step=12)
+    config = make_config(recipe="tests.recipes_for_tests:TrackingRecipe", max_duration="2ep", inject_fault_at_step=12)
     train(config)
     gc.collect()
     # Unit 0 built a model and kept it in memory; unit 1's first attempt reused it and failed. The retry
@@ -113,19 +122,23 @@ def test_autoresume_false_refuses_an_existing_run_and_keeps_it(make_config):
 
 
 def run_cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.train", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.train", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--save_interval", "3x"], "save_interval='3x': use '<n>ep' (epochs) or '<n>ba' (batches)"),
-    (["--max_duration", "0ep"], "max_duration='0ep'"),
-    (["--run_name", "../escape"], "run_name='../escape'"),
-    (["--num_checkpoints_to_keep", "0"], "num_checkpoints_to_keep=0: use -1 (keep all) or a count >= 1"),
-    (["--recipe", "no.such.module:Recipe"], "recipe='no.such.module:Recipe': cannot import"),
-    (["--recipe_args", '{"bogus": 1}'], "recipe_args={'bogus': 1}: DigitsRecipe rejected them"),
-    (["--global_batch_size", "0"], "global_batch_size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--save_interval", "3x"], "save_interval='3x': use '<n>ep' (epochs) or '<n>ba' (batches)"),
+        (["--max_duration", "0ep"], "max_duration='0ep'"),
+        (["--run_name", "../escape"], "run_name='../escape'"),
+        (["--num_checkpoints_to_keep", "0"], "num_checkpoints_to_keep=0: use -1 (keep all) or a count >= 1"),
+        (["--recipe", "no.such.module:Recipe"], "recipe='no.such.module:Recipe': cannot import"),
+        (["--recipe_args", '{"bogus": 1}'], "recipe_args={'bogus': 1}: DigitsRecipe rejected them"),
+        (["--global_batch_size", "0"], "global_batch_size"),
+    ],
+)
 def test_bad_config_fails_with_one_clear_error_and_writes_nothing(tmp_path, args, message):
     folder = tmp_path / "runs"
     proc = run_cli("--save_folder", str(folder), *args)

@@ -14,18 +14,22 @@ from tests.conftest import ROOT
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "checkpointing", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "checkpointing", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture
 def run(tmp_path):
     store = CheckpointStore(str(tmp_path / "runs"), "exp")
     for i in range(3):
-        store.save(f"ep{i + 1}-ba{8 * (i + 1)}-sa{256 * (i + 1)}",
-                   {"state.pt": {"state": {"model": {"w": torch.full((4,), float(i))}}}},
-                   progress={"epoch": i + 1, "step": 8 * (i + 1), "samples_seen": 256 * (i + 1)},
-                   metadata={"recipe": "recipes.synthetic:SyntheticRecipe"}, writer=Writer.current(1))
+        store.save(
+            f"ep{i + 1}-ba{8 * (i + 1)}-sa{256 * (i + 1)}",
+            {"state.pt": {"state": {"model": {"w": torch.full((4,), float(i))}}}},
+            progress={"epoch": i + 1, "step": 8 * (i + 1), "samples_seen": 256 * (i + 1)},
+            metadata={"recipe": "recipes.synthetic:SyntheticRecipe"},
+            writer=Writer.current(1),
+        )
     return store
 
 
@@ -80,8 +84,11 @@ def test_verify_with_name_checks_only_that_checkpoint(run):
 def test_on_s3_the_storage_options_are_used_and_never_printed(s3, tmp_path):
     folder, options = s3
     store = CheckpointStore(folder, "exp", storage_options=options)
-    store.save("ep1-ba8-sa256", {"state.pt": {"state": {"model": {"w": torch.full((4,), 7.0)}}}},
-               progress={"epoch": 1, "step": 8, "samples_seen": 256})
+    store.save(
+        "ep1-ba8-sa256",
+        {"state.pt": {"state": {"model": {"w": torch.full((4,), 7.0)}}}},
+        progress={"epoch": 1, "step": 8, "samples_seen": 256},
+    )
     secret = "S3CR3T-in-the-options"
     given = json.dumps({**options, "secret": "testing", "key": "testing", "token": secret})  # moto ignores the token
 

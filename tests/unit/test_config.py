@@ -19,9 +19,9 @@ def test_flags_environment_and_file_fill_one_config_with_flags_winning(tmp_path,
     monkeypatch.setenv("TRAIN_RECIPE_ARGS", '{"hidden": 64}')
     config = load_config(["--config_file", str(cfg), "--global_batch_size", "48"])
 
-    assert config.run_name == "from-file"      # file
-    assert config.seed == 5                    # environment beats file
-    assert config.global_batch_size == 48      # flag beats file
+    assert config.run_name == "from-file"  # file
+    assert config.seed == 5  # environment beats file
+    assert config.global_batch_size == 48  # flag beats file
     assert config.recipe_args == {"hidden": 64}
 
 
@@ -32,14 +32,17 @@ def test_yaml_config_file_is_read(tmp_path):
     assert (config.duration, config.interval) == (Duration(7, "ba"), Duration(2, "ba"))
 
 
-@pytest.mark.parametrize("field, value, expected", [
-    ("save_interval", "3x", "save_interval='3x': use '<n>ep' (epochs) or '<n>ba' (batches) with n >= 1"),
-    ("max_duration", "ep", "max_duration='ep'"),
-    ("run_name", "a/b", "run_name='a/b': use 1-128 letters"),
-    ("run_name", "/etc", "run_name='/etc'"),
-    ("recipe", "nocolon", "recipe='nocolon': use an import path 'package.module:ClassName'"),
-    ("num_checkpoints_to_keep", -3, "num_checkpoints_to_keep=-3"),
-])
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("save_interval", "3x", "save_interval='3x': use '<n>ep' (epochs) or '<n>ba' (batches) with n >= 1"),
+        ("max_duration", "ep", "max_duration='ep'"),
+        ("run_name", "a/b", "run_name='a/b': use 1-128 letters"),
+        ("run_name", "/etc", "run_name='/etc'"),
+        ("recipe", "nocolon", "recipe='nocolon': use an import path 'package.module:ClassName'"),
+        ("num_checkpoints_to_keep", -3, "num_checkpoints_to_keep=-3"),
+    ],
+)
 def test_invalid_values_name_the_field_the_value_and_what_is_accepted(field, value, expected):
     with pytest.raises(ValidationError) as info:
         TrainConfig(**{field: value})
@@ -58,8 +61,9 @@ def test_storage_options_are_neither_echoed_nor_serialized():
 
 
 def test_help_lists_every_field_with_its_description():
-    proc = subprocess.run([sys.executable, "-m", "flows.train", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.train", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     for name, field in TrainConfig.model_fields.items():
         assert f"--{name}" in proc.stdout

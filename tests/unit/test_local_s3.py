@@ -27,23 +27,45 @@ def _client_env(line: str) -> dict[str, str]:
 
 def test_make_s3_serves_bucket_runs_that_a_client_reaches_with_the_printed_environment():
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "deployments.local_s3"], cwd=ROOT, text=True,
-                              env={**os.environ, "LOCAL_S3_PORT": str(port)}, stdout=subprocess.PIPE)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "deployments.local_s3"],
+        cwd=ROOT,
+        text=True,
+        env={**os.environ, "LOCAL_S3_PORT": str(port)},
+        stdout=subprocess.PIPE,
+    )
     try:
         printed = [server.stdout.readline()]  # printed once the server is up and the bucket exists
         while "Ctrl-C" not in printed[-1] and printed[-1]:
             printed.append(server.stdout.readline())
         assert printed[0].startswith(f"local S3 at http://127.0.0.1:{port} with bucket 'runs'")
         train_line = next(line for line in printed if "-m flows.train" in line)
-        assert train_line.split() == [f"AWS_ENDPOINT_URL=http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID=testing",
-                                      "AWS_SECRET_ACCESS_KEY=testing", "TRAIN_SAVE_FOLDER=s3://runs",
-                                      ".venv/bin/python", "-m", "flows.train"]
-        endpoint = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}, "key": "testing", "secret": "testing"}
+        assert train_line.split() == [
+            f"AWS_ENDPOINT_URL=http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID=testing",
+            "AWS_SECRET_ACCESS_KEY=testing",
+            "TRAIN_SAVE_FOLDER=s3://runs",
+            ".venv/bin/python",
+            "-m",
+            "flows.train",
+        ]
+        endpoint = {
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+            "key": "testing",
+            "secret": "testing",
+        }
         CheckpointStore("s3://runs", "exp1", storage_options=endpoint).save(
-            "ep1-ba8-sa256", {"state.pt": {"w": torch.ones(2)}}, progress={"epoch": 1, "step": 8, "samples_seen": 256})
+            "ep1-ba8-sa256", {"state.pt": {"w": torch.ones(2)}}, progress={"epoch": 1, "step": 8, "samples_seen": 256}
+        )
         # s3fs honours AWS_ENDPOINT_URL: with the printed variables alone, the CLI finds that checkpoint.
-        listed = subprocess.run([sys.executable, "-m", "checkpointing", "ls", "s3://runs/exp1"], cwd=ROOT, text=True,
-                                env=_client_env(train_line), capture_output=True, timeout=120)
+        listed = subprocess.run(
+            [sys.executable, "-m", "checkpointing", "ls", "s3://runs/exp1"],
+            cwd=ROOT,
+            text=True,
+            env=_client_env(train_line),
+            capture_output=True,
+            timeout=120,
+        )
         assert listed.returncode == 0, listed.stderr
         assert listed.stdout.splitlines()[1].split()[:4] == ["ep1-ba8-sa256", "1", "8", "256"]
     finally:

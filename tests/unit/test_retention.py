@@ -12,8 +12,13 @@ from checkpointing import CheckpointStore, Writer
 def store_with(losses: list[float]) -> CheckpointStore:
     store = CheckpointStore(f"memory://{uuid.uuid4().hex}", "r")
     for i, loss in enumerate(losses):
-        store.save(f"c{i}", {"state.pt": {"w": torch.full((2,), float(i))}}, progress={"samples_seen": i},
-                   metadata={"metrics": {"loss": loss}}, writer=Writer.current(1))
+        store.save(
+            f"c{i}",
+            {"state.pt": {"w": torch.full((2,), float(i))}},
+            progress={"samples_seen": i},
+            metadata={"metrics": {"loss": loss}},
+            writer=Writer.current(1),
+        )
     return store
 
 

@@ -20,8 +20,17 @@ def config() -> TrainConfig:
 
 
 def result(run_name: str, **metrics: float) -> TrainResult:
-    return TrainResult(run_name=run_name, checkpoint=f"memory://x/{run_name}/checkpoints/ep1", epoch=1, step=8,
-                       samples_seen=256, sample_in_epoch=0, metrics=metrics, units=[], started_from="no checkpoint")
+    return TrainResult(
+        run_name=run_name,
+        checkpoint=f"memory://x/{run_name}/checkpoints/ep1",
+        epoch=1,
+        step=8,
+        samples_seen=256,
+        sample_in_epoch=0,
+        metrics=metrics,
+        units=[],
+        started_from="no checkpoint",
+    )
 
 
 def promote(config, name, metric="accuracy", higher_is_better=True, **metrics):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+import functools
+import operator
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,10 +21,22 @@ def consume(num_samples: int, segments: list[tuple[int, int]], seed: int = 3, wo
         while steps > 0:
             sampler = ResumableBatchSampler(num_samples, gbs, seed=seed, epoch=p.epoch, start=p.sample_in_epoch)
             for ids in sampler:
-                shares = [ResumableBatchSampler(num_samples, gbs, seed=seed, epoch=p.epoch, start=p.sample_in_epoch,
-                                                rank=r, world_size=world_size) for r in range(world_size)]
+                shares = [
+                    ResumableBatchSampler(
+                        num_samples,
+                        gbs,
+                        seed=seed,
+                        epoch=p.epoch,
+                        start=p.sample_in_epoch,
+                        rank=r,
+                        world_size=world_size,
+                    )
+                    for r in range(world_size)
+                ]
                 first = [next(s.shares()) for s in shares]
-                assert sorted(sum((share for share, _ in first), [])) == sorted(ids)  # ranks split the batch
+                assert sorted(functools.reduce(operator.iadd, (share for share, _ in first), [])) == sorted(
+                    ids
+                )  # ranks split the batch
                 assert all(size == len(ids) for _, size in first)
                 seen += ids
                 p.advance(len(ids), num_samples)
@@ -33,15 +47,17 @@ def consume(num_samples: int, segments: list[tuple[int, int]], seed: int = 3, wo
 
 
 @settings(max_examples=150, deadline=None)
-@given(num_samples=st.integers(1, 300),
-       segments=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 40)), min_size=1, max_size=6),
-       world_size=st.sampled_from([1, 2, 3]))
+@given(
+    num_samples=st.integers(1, 300),
+    segments=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 40)), min_size=1, max_size=6),
+    world_size=st.sampled_from([1, 2, 3]),
+)
 def test_any_sequence_of_batch_sizes_and_stops_sees_every_sample_once_per_epoch(num_samples, segments, world_size):
     seen = consume(num_samples, segments, world_size=world_size)
     full_epochs, rest = divmod(len(seen), num_samples)
     for e in range(full_epochs):
-        assert sorted(seen[e * num_samples:(e + 1) * num_samples]) == list(range(num_samples))
-    tail = seen[full_epochs * num_samples:]
+        assert sorted(seen[e * num_samples : (e + 1) * num_samples]) == list(range(num_samples))
+    tail = seen[full_epochs * num_samples :]
     assert len(set(tail)) == len(tail) == rest
 
 

@@ -30,9 +30,15 @@ def three_checkpoints(backend) -> CheckpointStore:
     folder, options = backend
     store = CheckpointStore(folder, "r", storage_options=options)
     for i in range(3):
-        store.save(f"c{i}", {"state.pt": {"state": {"model": {"w": torch.full((64,), float(i))}}},
-                             "rng-rank0.pt": {"torch": torch.get_rng_state()}},
-                   progress={"samples_seen": 10 * i, "epoch": i}, writer=Writer.current(1))
+        store.save(
+            f"c{i}",
+            {
+                "state.pt": {"state": {"model": {"w": torch.full((64,), float(i))}}},
+                "rng-rank0.pt": {"torch": torch.get_rng_state()},
+            },
+            progress={"samples_seen": 10 * i, "epoch": i},
+            writer=Writer.current(1),
+        )
     return store
 
 
@@ -44,7 +50,7 @@ def test_saved_weights_round_trip_the_composer_way(backend):
     store = three_checkpoints(backend)
     assert [i.name for i in store.list()] == ["c0", "c1", "c2"]
     assert store.latest().name == "c2" and store.check("c2", deep=True) == []
-    folder, options = backend
+    _folder, options = backend
     with fsspec.open(f"{store.uri}/checkpoints/c2/state.pt", "rb", **(options or {})) as f:  # the state file's URL
         assert torch.equal(torch.load(f, weights_only=True)["state"]["model"]["w"], torch.full((64,), 2.0))
     assert json.loads(store.storage.get("latest")) == {"name": "c2", "generation": 1}
@@ -76,8 +82,12 @@ def _spy_puts(store: CheckpointStore, monkeypatch, dies_at: str | None = None) -
 
 
 def _save_c3(store: CheckpointStore) -> None:
-    store.save("c3", {"state.pt": {"state": {"model": {"w": torch.full((64,), 3.0)}}}, "rng-rank0.pt": {"x": 1}},
-               progress={"samples_seen": 30, "epoch": 3}, writer=Writer.current(1))
+    store.save(
+        "c3",
+        {"state.pt": {"state": {"model": {"w": torch.full((64,), 3.0)}}}, "rng-rank0.pt": {"x": 1}},
+        progress={"samples_seen": 30, "epoch": 3},
+        writer=Writer.current(1),
+    )
 
 
 def test_a_commit_writes_the_files_then_the_manifest_then_latest(backend, monkeypatch):
@@ -119,7 +129,7 @@ WARNINGS = {  # each names the checkpoint, the file and what is wrong with it
 
 def _flip(data: bytes) -> bytes:
     i = len(data) // 2
-    return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+    return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :]
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
@@ -138,7 +148,7 @@ def test_a_flipped_byte_keeps_the_size_so_only_sha256_catches_it(backend):
     CORRUPTIONS["flipped byte"](store.storage)
     assert store.check("c2") == []  # the sizes still match
     assert store.check("c2", deep=True) == ["c2/state.pt: sha256 mismatch"]
-    with pytest.raises(CorruptCheckpointError, match="c2/state.pt: .* does not match the manifest"):
+    with pytest.raises(CorruptCheckpointError, match=r"c2/state\.pt: .* does not match the manifest"):
         store.load("c2")
 
 
