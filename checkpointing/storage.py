@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,6 +26,8 @@ from tenacity import (
     stop_after_delay,
     wait_random_exponential,
 )
+
+from checkpointing.localfs import LocalFiles
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,8 +97,41 @@ _NETWORK_ERRORS = {
 }
 
 
+# Stores a run may live in. Anything else (http://, ssh://, chained 'a::b' URLs, ...) is refused: a run's
+# parameters must not make the worker open arbitrary endpoints.
+SUPPORTED_PROTOCOLS = ("file", "memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
+def validate_url(value: str, option: str = "save_folder") -> str:
+    """A local path or a URL of a supported store: non-empty, printable, no chaining, a known protocol."""
+    text = str(value).strip()
+    if not text:
+        raise ValueError(
+            f"{option}={value!r}: empty; use a local folder such as 'runs' or a URL such as 's3://bucket/runs'"
+        )
+    if len(text) > 1024 or any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise ValueError(f"{option}={value[:80]!r}: use a printable path or URL under 1024 characters")
+    if "::" in text:
+        raise ValueError(f"{option}={value!r}: chained fsspec URLs ('a::b') are not supported; give one store's URL")
+    protocol = text.split("://", 1)[0].lower() if "://" in text else "file"
+    if protocol not in SUPPORTED_PROTOCOLS:
+        raise ValueError(
+            f"{option}={value!r}: protocol {protocol!r} is not supported; use a local path, file://, s3://, "
+            f"gs://, az:// or memory://"
+        )
+    return text
+
+
 class StorageError(RuntimeError):
-    """An object-store operation failed for good (permanent error, or retries exhausted)."""
+    """An object-store operation failed for good: retries exhausted (this base class) or a permanent error."""
+
+
+class PermanentStorageError(StorageError):
+    """No retry can cure it (no such bucket, access denied, invalid request): never retried as a unit."""
+
+
+class AccessDeniedError(PermanentStorageError):
+    """The store refused the credentials (403): the message says to check them."""
 
 
 @dataclass(frozen=True)
@@ -156,26 +191,46 @@ def no_such_bucket(exc: BaseException) -> bool:
     return any(error_code(e) == "NoSuchBucket" for e in _chain(exc))
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException) -> Iterator[BaseException]:
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 class Storage:
-    """Object-store I/O rooted at one URL. Every call retries transient faults with backoff+jitter."""
+    """Object-store I/O rooted at one URL. Every call retries transient faults with backoff+jitter.
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, retry: RetrySettings | None = None):
+    Local folders go through ``LocalFiles``, which never follows a symbolic link below ``anchor`` (by
+    default the root itself; a CheckpointStore anchors at ``save_folder``, so the run folder is walked too).
+    On S3, s3fs's and botocore's own retries are turned off (unless the caller set them): this class's
+    tenacity policy is the one retry layer, so ``RetrySettings.max_seconds`` bounds a call."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetrySettings | None = None,
+        anchor: str | None = None,
+    ):
         if "://" not in url:  # a plain local path: report it absolute, as file URIs are
             url = os.path.abspath(url)
         self.url = url.rstrip("/")
         self.retry = retry or RetrySettings()
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        options = _with_single_retry_layer(protocol, dict(storage_options or {}), self.retry)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         self.root = self.root.rstrip("/")
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.is_local = self.protocol in ("file", "local")
+        self.local: LocalFiles | None = None
+        if self.is_local:
+            base = os.path.abspath(fsspec.core.url_to_fs(anchor)[1]) if anchor else self.root
+            self.local = LocalFiles(base, os.path.relpath(self.root, base) if base != self.root else "")
+        if protocol in ("s3", "s3a") and "retries" not in (storage_options or {}):
+            self.fs.retries = 1  # s3fs keeps it as an attribute, not an option
         self._bucket_found = self.is_local or self.protocol == "memory"  # no buckets there
 
     # -- paths ---------------------------------------------------------------------------------
@@ -187,33 +242,23 @@ class Storage:
 
     # -- operations ----------------------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
-        path = self.path(key)
-        if self.is_local:
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        self._call(f"put {key}", lambda: self.fs.pipe_file(path, data), missing_is_error=True)
+        local = self.local
+        if local is not None:
+            self._call(f"put {key}", lambda: local.write(key, data), missing_is_error=True)
+        else:
+            self._call(f"put {key}", lambda: self.fs.pipe_file(self.path(key), data), missing_is_error=True)
 
     def create(self, key: str, data: bytes) -> bool:
         """Writes ``key`` only if it does not exist yet (atomically); False if it already did.
 
         Local files use O_EXCL; object stores a conditional put (S3: If-None-Match: *)."""
-        path = self.path(key)
-        if self.is_local:
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-
-            def create_local() -> bool:
-                try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                except FileExistsError:
-                    return False
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                return True
-
-            return self._call(f"create {key}", create_local)
+        local = self.local
+        if local is not None:
+            return self._call(f"create {key}", lambda: local.create(key, data), missing_is_error=True)
 
         def create_remote() -> bool:
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                self.fs.pipe_file(self.path(key), data, mode="create")
             except FileExistsError:
                 return False
             return True
@@ -221,6 +266,9 @@ class Storage:
         return self._call(f"create {key}", create_remote, missing_is_error=True)
 
     def get(self, key: str) -> bytes:
+        local = self.local
+        if local is not None:
+            return self._call(f"get {key}", lambda: b"".join(local.read(key)))
         return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
 
     def get_hashed(self, key: str) -> tuple[bytes, str]:
@@ -229,23 +277,37 @@ class Storage:
 
         def read() -> tuple[bytes, str]:
             digest, chunks, pending = hashlib.sha256(), [], None
-            with self.fs.open(self.path(key), "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    if pending is not None:
-                        pending.result()
-                    chunks.append(chunk)
-                    pending = _HASHER.submit(digest.update, chunk)
+            for chunk in self._chunks(key):
+                if pending is not None:
+                    pending.result()
+                chunks.append(chunk)
+                pending = _HASHER.submit(digest.update, chunk)
             if pending is not None:
                 pending.result()
             return b"".join(chunks), digest.hexdigest()
 
         return self._call(f"get {key}", read)
 
+    def _chunks(self, key: str) -> Iterator[bytes]:
+        if self.local is not None:
+            yield from self.local.read(key)
+            return
+        with self.fs.open(self.path(key), "rb") as f:
+            while chunk := f.read(_CHUNK):
+                yield chunk
+
     def exists(self, key: str) -> bool:
+        """True for a file or folder; a link or special file in a local folder is damage, not a file."""
+        local = self.local
+        if local is not None:
+            return self._call(f"exists {key}", lambda: local.kind(key) in ("file", "dir"))
         return self._call(f"exists {key}", lambda: self.fs.exists(self.path(key)))
 
     def sizes(self, prefix: str) -> dict[str, int]:
-        """Sizes of every object under ``prefix``, keyed by path relative to it."""
+        """Sizes of every object under ``prefix``, keyed by path relative to it (NOT_A_FILE for a link)."""
+        local = self.local
+        if local is not None:
+            return self._call(f"list {prefix}", lambda: local.sizes(prefix))
         base = self.path(prefix).rstrip("/") + "/"
 
         def find() -> dict[str, int]:
@@ -261,6 +323,9 @@ class Storage:
 
     def list_dirs(self, prefix: str) -> list[str]:
         """Names of the immediate sub-folders of ``prefix`` (empty when it does not exist)."""
+        local = self.local
+        if local is not None:
+            return self._call(f"list {prefix}", lambda: local.list_dirs(prefix))
         base = self.path(prefix).rstrip("/")
 
         def ls() -> list[str]:
@@ -276,6 +341,10 @@ class Storage:
         return self._call(f"list {prefix}", ls)
 
     def delete(self, key: str, recursive: bool = False) -> None:
+        local = self.local
+        if local is not None:
+            return self._call(f"delete {key}", lambda: local.delete(key, recursive))
+
         def rm() -> None:
             try:
                 self.fs.rm(self.path(key), recursive=recursive)
@@ -312,13 +381,42 @@ class Storage:
         except FileNotFoundError as exc:
             if not missing_is_error and not no_such_bucket(exc) and not self._missing_bucket():
                 raise
-            raise StorageError(
+            raise PermanentStorageError(
                 f"{what} at {self.uri()} failed (permanent): no such bucket or folder ({exc}); "
                 f"create it or fix save_folder"
             ) from exc
         except Exception as exc:
-            kind = "transient, retries exhausted" if is_transient(exc) else "permanent"
-            raise StorageError(f"{what} at {self.uri()} failed ({kind}): {type(exc).__name__}: {exc}") from exc
+            raise _storage_error(what, self.uri(), exc, self.is_local) from exc
+
+
+def _storage_error(what: str, uri: str, exc: Exception, is_local: bool) -> StorageError:
+    """The typed error for a call that failed for good: callers decide on the type, never on the text."""
+    detail = f"{type(exc).__name__}: {exc}"
+    if is_transient(exc):
+        return StorageError(f"{what} at {uri} failed (transient, retries exhausted): {detail}")
+    if isinstance(exc, PermissionError) or any(
+        http_status(e) == 403 or error_code(e) in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+        for e in _chain(exc)
+    ):
+        fix = (
+            "check that this user may read and write that folder"
+            if is_local
+            else "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role) "
+            "and that they may read and write there"
+        )
+        return AccessDeniedError(f"{what} at {uri} failed: access denied; {fix} ({detail})")
+    return PermanentStorageError(f"{what} at {uri} failed (permanent): {detail}")
+
+
+def _with_single_retry_layer(protocol: str, options: dict[str, Any], retry: RetrySettings) -> dict[str, Any]:
+    """S3 options with botocore's own retries off and each attempt's timeouts within our time budget."""
+    if protocol not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    config.setdefault("connect_timeout", min(10.0, retry.max_seconds))
+    config.setdefault("read_timeout", min(60.0, retry.max_seconds))
+    return {**options, "config_kwargs": config}
 
 
 def _missing_bucket_of(storage: Storage) -> bool | None:

@@ -18,10 +18,17 @@ import pytest
 import s3fs
 import torch
 
-from checkpointing import CheckpointStore, RetrySettings, StorageError, Writer
+from checkpointing import (
+    AccessDeniedError,
+    CheckpointStore,
+    PermanentStorageError,
+    RetrySettings,
+    StorageError,
+    Writer,
+)
 from checkpointing.storage import Storage
 from flows.train import train
-from tests.conftest import MOTO_SECRET_KEY
+from tests.conftest import MOTO_SECRET_KEY, RECORDING
 from tests.faults import DROP, DROP_AFTER, FaultProxy, error_xml
 
 FAST_RETRY = RetrySettings(attempts=12, max_seconds=60, initial_wait=0.01, max_wait=0.1)
@@ -116,7 +123,14 @@ def test_a_permanent_error_fails_at_once_naming_the_operation(s3, moto_server, n
         proxy.script(PERMANENT_PATTERN[op], PERMANENT[fault])
         with caplog.at_level(logging.WARNING, logger=RETRY_LOG), pytest.raises(StorageError) as failed:
             _do(storage, op)
-        assert re.search(rf"{op} obj at s3://.*/runs failed \(permanent\)", str(failed.value)), failed.value
+        if fault.startswith("403"):  # a type the retry policy and the CLI decide on, and a message that says why
+            assert isinstance(failed.value, AccessDeniedError)
+            assert re.search(
+                rf"{op} obj at s3://.*/runs failed: access denied; check the credentials", str(failed.value)
+            )
+        else:
+            assert isinstance(failed.value, PermanentStorageError)
+            assert re.search(rf"{op} obj at s3://.*/runs failed \(permanent\)", str(failed.value)), failed.value
         assert proxy.seen(PERMANENT_PATTERN[op]) == [PERMANENT[fault][0]]  # asked once
         assert our_retries(caplog) == []  # so no retry delay either
 
@@ -130,9 +144,9 @@ def test_a_denied_write_fails_at_once_and_latest_stays_put(s3, moto_server, no_l
         with (
             caplog.at_level(logging.WARNING, logger=RETRY_LOG),
             pytest.raises(
-                StorageError,
-                match=r"put checkpoints/c1/state.pt at .* failed \(permanent\): "
-                r"PermissionError: Access Denied",
+                AccessDeniedError,
+                match=r"put checkpoints/c1/state\.pt at .* failed: access denied; check the credentials .*"
+                r"\(PermissionError: Access Denied\)",
             ),
         ):
             store.save("c1", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 2})
@@ -150,14 +164,17 @@ def test_a_bucket_that_does_not_exist_fails_at_the_first_read_not_as_an_empty_ru
         )
         with caplog.at_level(logging.WARNING, logger=RETRY_LOG):
             with pytest.raises(
-                StorageError,
-                match=r"get latest at s3://no-such-bucket-here/runs/r failed \(permanent\)"
+                PermanentStorageError,
+                match=r"list checkpoints at s3://no-such-bucket-here/runs/r failed \(permanent\)"
                 r": no such bucket .*fix save_folder",
             ):
                 store.latest()  # before the fix: None, and a run would silently start from scratch
             with pytest.raises(StorageError, match="no such bucket"):
                 store.save("c0", {"state.pt": {"w": torch.ones(1)}}, progress={"samples_seen": 1})
-        assert proxy.seen(r"HEAD /no-such-bucket-here/runs/r/latest$") == [404, 404]  # once per call: no retries
+        # Each request once: no retries. (latest() lists the checkpoints first; save() reads the pointer.)
+        assert proxy.seen(r"GET /no-such-bucket-here\?list-type=2&prefix=runs%2Fr%2Fcheckpoints%2F") == [404]
+        assert proxy.seen(r"HEAD /no-such-bucket-here/runs/r/latest$") == [404]
+        assert our_retries(caplog) == []
         assert our_retries(caplog) == []
 
 
@@ -249,6 +266,7 @@ def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(s
             max_duration="3ep",
             async_upload=True,
             recipe_args={"num_samples": 256, "record_dir": str(record)},
+            recipe=RECORDING,
         )
         outcome: dict = {}
         runner = threading.Thread(target=lambda: outcome.update(result=train(config)))
@@ -265,7 +283,8 @@ def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(s
         runner.join(timeout=120)
 
     result = outcome["result"]
-    assert result.units[1].resumed_from.endswith("(in memory; its upload is in flight)")
+    assert result.units[1].origin == "memory"
+    assert result.units[1].resumed_from.endswith("(in memory, its upload is in flight)")
     assert (result.epoch, result.samples_seen) == (3, 768)
     store = CheckpointStore(folder, "r", storage_options=s3[1])
     assert [i.name for i in store.list()] == [u.checkpoint_name for u in result.units]
@@ -337,3 +356,18 @@ def test_a_kill_during_an_upload_leaves_latest_on_the_previous_verified_checkpoi
     ref = CheckpointStore(folder.replace("/runs", "/reference"), "k", storage_options=options)
     theirs = ref.load_latest(["state.pt"]).objects["state.pt"]["state"]["model"]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_our_retry_policy_is_the_only_retry_layer_for_s3_calls(s3, moto_server, caplog):
+    """No `no_library_retries` here: the product itself turns s3fs's and botocore's retries off, so that
+    store_retry_attempts / store_retry_max_seconds bound a call (5 x 5 x 6 = 150 requests before the fix)."""
+    folder, _ = s3
+    with FaultProxy(moto_server) as proxy:
+        storage = Storage(folder, through(proxy), RetrySettings(attempts=3, max_seconds=30, initial_wait=0.01))
+        storage.put("obj", b"payload")
+        proxy.forget()
+        proxy.script(PATTERN["get"], *[TRANSIENT["503 SlowDown"]] * 5)
+        with caplog.at_level(logging.WARNING, logger=RETRY_LOG), pytest.raises(StorageError, match="retries exhausted"):
+            storage.get("obj")
+        assert proxy.seen(PATTERN["get"]) == [503, 503, 503]  # exactly our 3 attempts, one request each
+        assert len(our_retries(caplog)) == 2
