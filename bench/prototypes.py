@@ -29,7 +29,7 @@ from checkpointing.store import CheckpointInfo, CorruptCheckpointError, LoadedCh
 def load_hashing_while_unpickling(
     self, checkpoint: str | CheckpointInfo, files: Iterable[str] | None = None
 ) -> LoadedCheckpoint:
-    info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self._info(checkpoint)
+    info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self.info(checkpoint)
     if info is None:
         raise CorruptCheckpointError(f"{self.uri}/{store_module.CHECKPOINTS}/{checkpoint}: no readable manifest")
     wanted = list(info.manifest.files) if files is None else list(files)

@@ -4,7 +4,7 @@ No Prefect import here: this layer is plain fsspec + tenacity + torch.
 """
 
 from checkpointing.manifest import Manifest, Writer
-from checkpointing.storage import RetrySettings, StorageError
+from checkpointing.storage import AccessDeniedError, PermanentStorageError, RetrySettings, StorageError
 from checkpointing.store import (
     CheckpointError,
     CheckpointInfo,
@@ -19,6 +19,7 @@ from checkpointing.store import (
 )
 
 __all__ = [
+    "AccessDeniedError",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointStore",
@@ -27,6 +28,7 @@ __all__ = [
     "LoadedCheckpoint",
     "Manifest",
     "NotACheckpointError",
+    "PermanentStorageError",
     "RetrySettings",
     "StorageError",
     "UnsafeCheckpointError",

@@ -1,8 +1,13 @@
-"""The manifest: the one file that vouches for a checkpoint.
+"""The manifest: the one file that vouches for a checkpoint, and for itself.
 
 A checkpoint counts only once its ``manifest.json`` exists, and a reader trusts no byte the manifest
 does not describe (size + sha256). The manifest also says where training stood (progress counters,
 world size, global batch size) so that resolving the latest checkpoint needs no big download.
+
+Since format 2 the manifest carries a sha256 of its own content (``checksum``): one flipped bit in a
+progress counter would otherwise resume from the wrong sample without a word. The ``latest`` pointer
+also names the sha256 of the manifest bytes it vouches for. Checksums catch damage, not an attacker
+who can write the bucket; what keeps such a person from running code is ``weights_only`` loading.
 """
 
 from __future__ import annotations
@@ -10,17 +15,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ManifestError(ValueError):
-    """A manifest is missing, torn or of a format this code cannot read."""
+    """A manifest is missing, torn, altered or of a format this code cannot read."""
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -66,31 +77,50 @@ class Manifest:
         return (self.writer.generation, int(self.progress.get("samples_seen", 0)), self.created_at)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+        body = asdict(self)
+        return json.dumps({**body, "checksum": _checksum(body)}, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         try:
             raw = json.loads(data)
             version = raw["format_version"]
-            if version > FORMAT_VERSION:
-                raise ManifestError(
-                    f"format_version {version} is newer than this code ({FORMAT_VERSION}); upgrade to read it"
-                )
+            if not isinstance(version, int) or version > FORMAT_VERSION:
+                raise ManifestError(f"format_version {version!r} is newer than this code ({FORMAT_VERSION}); upgrade")
+            checksum = raw.pop("checksum", None)
+            if version >= 2 and checksum != _checksum(raw):
+                raise ManifestError("its content does not match its own checksum: it was altered or damaged")
             return cls(
-                name=raw["name"],
-                files={k: FileEntry(**v) for k, v in raw["files"].items()},
-                progress={k: int(v) for k, v in raw["progress"].items()},
-                metadata=raw.get("metadata", {}),
+                name=str(raw["name"]),
+                files={str(k): _entry(v) for k, v in raw["files"].items()},
+                progress={str(k): _count(v) for k, v in raw["progress"].items()},
+                metadata=dict(raw.get("metadata", {})),
                 writer=Writer(**raw["writer"]),
                 created_at=float(raw["created_at"]),
                 format_version=version,
             )
         except ManifestError:
             raise
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ManifestError(f"unreadable manifest: {type(exc).__name__}: {exc}") from exc
 
 
+def _checksum(body: dict[str, Any]) -> str:
+    return sha256_hex(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"progress counter {value!r} is not a non-negative integer")
+    return value
+
+
+def _entry(value: dict[str, Any]) -> FileEntry:
+    entry = FileEntry(size=_count(value["size"]), sha256=str(value["sha256"]))
+    if not _SHA256.match(entry.sha256):
+        raise ValueError(f"sha256 {entry.sha256[:70]!r} is not 64 hex digits")
+    return entry
+
+
 def describe(data: bytes) -> FileEntry:
-    return FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return FileEntry(size=len(data), sha256=sha256_hex(data))

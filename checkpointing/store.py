@@ -5,30 +5,32 @@ Layout under ``<save_folder>/<run_name>/``::
     checkpoints/<name>/state.pt        model/optimizer/scheduler state; weights at ["state"]["model"]
     checkpoints/<name>/rng-rank<r>.pt  per-rank RNG states
     checkpoints/<name>/manifest.json   size + sha256 of every file above, progress, writer; written last
-    latest                             {"name", "generation"}; moved only after the manifest is written
+    latest                             {"name", "generation", "manifest_sha256"}; moved only after the manifest
+    claims/<generation>                one per writer (fencing.py)
+    rollbacks/<generation>.json        a ``resume_from`` roll-back: later checkpoints stop being candidates
 
-Commit order is files, then manifest, then ``latest``. A reader trusts ``latest`` only if the checkpoint
-it names verifies; otherwise it lists manifests and takes the newest one that verifies. Loading reads
-each file once, hashing it chunk by chunk as it arrives, and refuses anything ``torch.load(weights_only=True)`` would not load
-safely, so a checkpoint from a shared bucket cannot run code.
+Commit order is files, then manifest, then ``latest``. A reader takes the newest checkpoint that verifies,
+newest by (writer generation, samples seen): ``latest`` is the fast path, and a checkpoint committed after
+it (a process killed between its manifest and ``latest``) is found by its name. Loading reads each file
+once, hashing it as it arrives, cross-checks the progress copy inside ``state.pt`` against the manifest,
+and refuses anything ``torch.load(weights_only=True)`` would not load safely.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
+import builtins
 import json
 import logging
-import pickle
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from checkpointing.manifest import MANIFEST, Manifest, ManifestError, Writer, describe
+from checkpointing.fencing import Fence, FencedError
+from checkpointing.localfs import NOT_A_FILE
+from checkpointing.manifest import MANIFEST, Manifest, ManifestError, Writer, describe, sha256_hex
+from checkpointing.serialization import CheckpointError, UnsafeCheckpointError, safe_load, serialize
 from checkpointing.storage import RetrySettings, Storage
 
 log = logging.getLogger(__name__)
@@ -36,28 +38,30 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.pt"
 POINTER = "latest"
 CHECKPOINTS = "checkpoints"
-CLAIMS = "claims"
+ROLLBACKS = "rollbacks"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SAMPLES_IN_NAME = re.compile(r"-sa(\d+)(?:-g\d+)?$")
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-hash")
 
-
-class CheckpointError(RuntimeError):
-    """Base class for checkpoint problems."""
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "CorruptCheckpointError",
+    "FencedError",
+    "LoadedCheckpoint",
+    "NotACheckpointError",
+    "UnsafeCheckpointError",
+    "serialize",
+]
 
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match what its manifest vouches for."""
 
 
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file holds something that only an unsafe (code-running) unpickler could load."""
-
-
 class NotACheckpointError(CheckpointError, ValueError):
     """A URI given as a checkpoint names no checkpoint or run."""
-
-
-class FencedError(CheckpointError):
-    """A newer writer generation owns this run; this writer must stop."""
 
 
 def validate_name(value: str, option: str = "run_name") -> str:
@@ -77,6 +81,7 @@ class CheckpointInfo:
     name: str
     uri: str
     manifest: Manifest
+    manifest_sha256: str = ""
 
     @property
     def progress(self) -> dict[str, int]:
@@ -85,6 +90,10 @@ class CheckpointInfo:
     @property
     def size_bytes(self) -> int:
         return self.manifest.size_bytes
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return dict(self.manifest.metadata.get("metrics") or {})
 
 
 @dataclass
@@ -106,51 +115,51 @@ class CheckpointStore:
     ):
         validate_name(run_name)
         self.run_name = run_name
-        self.storage = Storage(f"{str(save_folder).rstrip('/')}/{run_name}", storage_options, retry)
+        folder = str(save_folder).rstrip("/")
+        self.storage = Storage(f"{folder}/{run_name}", storage_options, retry, anchor=folder)
         self.uri = self.storage.url
+        self.fence = Fence(self.storage)
         self._in_flight: set[str] = set()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r})"
 
     # -- reading -------------------------------------------------------------------------------
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Checkpoints whose manifest exists and parses, oldest first (not yet verified)."""
-        infos = []
-        for name in self.storage.list_dirs(CHECKPOINTS):
-            info = self._info(name)
-            if info is not None:
-                infos.append(info)
+        infos = [i for i in map(self.info, self.storage.list_dirs(CHECKPOINTS)) if i is not None]
         return sorted(infos, key=lambda i: i.manifest.order)
 
     def latest(self, deep: bool = False) -> CheckpointInfo | None:
-        """The newest checkpoint that verifies: ``latest`` if it does, else the newest listed one.
+        """The newest checkpoint that verifies.
 
         ``deep=False`` checks the manifest and every file's size; ``deep=True`` also hashes the files
-        (``load`` always hashes, while it downloads).
-        """
-        return next(iter(self._candidates(deep)), None)
+        (``load`` always hashes, while it downloads)."""
+        return next(self.candidates(deep), None)
 
-    def check(self, checkpoint: str | CheckpointInfo, deep: bool = False) -> list[str]:
+    def check(self, checkpoint: str | CheckpointInfo, deep: bool = False) -> builtins.list[str]:
         """What is wrong with a checkpoint; an empty list means it verifies."""
-        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self._info(checkpoint)
+        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self.info(checkpoint)
         if info is None:
             return [f"{checkpoint}: no readable {MANIFEST}"]
         prefix = self._key(info.name)
         found = self.storage.sizes(prefix)
         problems = []
         for fname, entry in info.manifest.files.items():
-            if fname not in found:
+            size = found.get(fname)
+            if size is None:
                 problems.append(f"{info.name}/{fname}: missing")
-            elif found[fname] != entry.size:
-                problems.append(f"{info.name}/{fname}: size {found[fname]} != {entry.size} in manifest")
-            elif deep and _sha256(self.storage.get(f"{prefix}/{fname}")) != entry.sha256:
+            elif size == NOT_A_FILE:
+                problems.append(f"{info.name}/{fname}: a symbolic link or special file (never followed)")
+            elif size != entry.size:
+                problems.append(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
+            elif deep and self.storage.get_hashed(f"{prefix}/{fname}")[1] != entry.sha256:
                 problems.append(f"{info.name}/{fname}: sha256 mismatch")
         return problems
 
     def load(self, checkpoint: str | CheckpointInfo, files: Iterable[str] | None = None) -> LoadedCheckpoint:
         """Downloads, verifies (hashing on the way) and safely unpickles a checkpoint's files."""
-        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self._info(checkpoint)
+        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self.info(checkpoint)
         if info is None:
             raise CorruptCheckpointError(f"{self.uri}/{CHECKPOINTS}/{checkpoint}: no readable {MANIFEST}")
         wanted = list(info.manifest.files) if files is None else list(files)
@@ -166,6 +175,8 @@ class CheckpointStore:
                     f"manifest ({entry.size} bytes, {entry.sha256[:12]}…)"
                 )
             objects[fname] = safe_load(data, f"{info.uri}/{fname}")
+        if STATE_FILE in objects:
+            _cross_check_progress(info, objects[STATE_FILE])
         return LoadedCheckpoint(info=info, objects=objects)
 
     def _read_verified(self, info: CheckpointInfo, fname: str) -> tuple[bytes, str]:
@@ -173,12 +184,12 @@ class CheckpointStore:
         try:
             return self.storage.get_hashed(f"{self._key(info.name)}/{fname}")
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{info.uri}/{fname}: missing") from exc
+            raise CorruptCheckpointError(f"{info.uri}/{fname}: missing ({exc})") from exc
 
     def load_latest(self, files: Iterable[str] | None = None) -> LoadedCheckpoint | None:
         """Loads the newest good checkpoint, falling back past any whose files fail verification."""
         files = None if files is None else list(files)
-        for info in self._candidates(deep=False):
+        for info in self.candidates(deep=False):
             try:
                 return self.load(info, files)
             except CorruptCheckpointError as exc:
@@ -189,12 +200,58 @@ class CheckpointStore:
         try:
             raw = json.loads(self.storage.get(POINTER))
             # The name becomes a path: one like '../other-run/...' must not lead the reader out of this run.
-            return {"name": validate_name(str(raw["name"]), "latest name"), "generation": int(raw.get("generation", 0))}
+            return {
+                "name": validate_name(str(raw["name"]), "latest name"),
+                "generation": int(raw.get("generation", 0)),
+                "manifest_sha256": str(raw.get("manifest_sha256", "")),
+            }
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("%s/%s is unreadable (%s); listing checkpoints instead", self.uri, POINTER, exc)
             return None
+
+    def candidates(self, deep: bool = False) -> Iterator[CheckpointInfo]:
+        """Checkpoints that verify, newest first by (generation, samples seen), rolled-back ones left out.
+
+        ``latest`` is the fast path: only checkpoints whose name says they got further are read besides it
+        (a process killed between its manifest and ``latest`` left one); without a usable ``latest``, every
+        manifest is read."""
+        names = self.storage.list_dirs(CHECKPOINTS)
+        pointer = self.read_pointer()
+        head = self._pointed(pointer, names) if pointer else None
+        rollbacks = self.rollbacks()
+        first: builtins.list[str] = []
+        if head is not None:
+            samples = int(head.progress.get("samples_seen", 0))
+            first = [head.name, *(n for n in names if _may_be_past(n, head.name, samples))]
+            infos = [head, *filter(None, map(self.info, first[1:]))]
+            yield from self._verified(infos, deep, rollbacks)
+        # Without a usable latest, or when nothing newer than it verifies: every other manifest, newest first.
+        yield from self._verified(filter(None, map(self.info, (n for n in names if n not in first))), deep, rollbacks)
+
+    def _verified(self, infos: Iterable[CheckpointInfo], deep: bool, rollbacks: builtins.list[dict[str, Any]]):
+        for info in sorted(infos, key=lambda i: i.manifest.order, reverse=True):
+            if _rolled_back(info, rollbacks):
+                continue
+            problems = self.check(info, deep)
+            if problems:
+                log.warning("skipping checkpoint %s: %s", info.name, "; ".join(problems))
+                continue
+            yield info
+
+    def _pointed(self, pointer: dict[str, Any], names: builtins.list[str]) -> CheckpointInfo | None:
+        """The checkpoint ``latest`` names, if its manifest is readable and the one ``latest`` vouches for."""
+        name = pointer["name"]
+        info = self.info(name) if name in names else None
+        if info is None:
+            problem = f"which has no readable {MANIFEST}" if name in names else "which does not exist"
+        elif pointer["manifest_sha256"] and info.manifest_sha256 != pointer["manifest_sha256"]:
+            problem = "whose manifest is not the one latest vouches for"
+        else:
+            return info
+        log.warning("latest names %s, %s; looking for the newest good checkpoint", name, problem)
+        return None
 
     # -- writing -------------------------------------------------------------------------------
     def save(
@@ -218,12 +275,15 @@ class CheckpointStore:
         metadata: dict[str, Any] | None = None,
         writer: Writer | None = None,
     ) -> CheckpointInfo:
-        """Writes files, then the manifest, then moves ``latest``. Raises FencedError for stale writers."""
+        """Writes files, then the manifest, checks what landed, then moves ``latest``.
+
+        Raises FencedError for a stale writer, CorruptCheckpointError if the checkpoint does not verify right
+        after it was written (then ``latest`` stays where it was)."""
         validate_name(name, "checkpoint name")
         for fname in blobs:
             validate_name(fname, "checkpoint file name")
         writer = writer or Writer.current()
-        self._check_fence(writer)
+        self.check_fence(writer)
         prefix = self._key(name)
         self._in_flight.add(name)
         entries = {f: _HASHER.submit(describe, d) for f, d in blobs.items()}  # hashed while the files upload
@@ -238,15 +298,33 @@ class CheckpointStore:
                 metadata=dict(metadata or {}),
                 writer=writer,
             )
-            self.storage.put(f"{prefix}/{MANIFEST}", manifest.to_json())
-            self._check_fence(writer)
-            self.storage.put(POINTER, json.dumps({"name": name, "generation": writer.generation}).encode())
+            body = manifest.to_json()
+            self.storage.put(f"{prefix}/{MANIFEST}", body)
+            info = CheckpointInfo(name, self.storage.uri(prefix), manifest, sha256_hex(body))
+            problems = self.check(info)
+            if problems:
+                raise CorruptCheckpointError(
+                    f"checkpoint {name} did not verify right after it was written ({'; '.join(problems)}); "
+                    f"'latest' was not moved to it"
+                )
+            self.check_fence(writer)
+            pointer = {"name": name, "generation": writer.generation, "manifest_sha256": info.manifest_sha256}
+            self.storage.put(POINTER, json.dumps(pointer).encode())
         finally:
             self._in_flight.discard(name)
-        return CheckpointInfo(name=name, uri=self.storage.uri(prefix), manifest=manifest)
+        return info
 
-    def prune(self, keep: int, score_attribute: str | None = None, score_order: str = "max") -> list[str]:
-        """Deletes all but ``keep`` checkpoints; never the one ``latest`` names or one in flight.
+    def name_for(self, base: str, generation: int) -> str:
+        """``base``, or ``base-g<generation>`` when an older writer's committed checkpoint holds that name
+        (after a roll-back or a fall-back, retraining reaches the same position; nothing is overwritten)."""
+        existing = self.info(base)
+        if existing is None or existing.manifest.writer.generation == generation:
+            return base
+        return f"{base}-g{generation}"
+
+    def prune(self, keep: int, score_attribute: str | None = None, score_order: str = "max") -> builtins.list[str]:
+        """Deletes all but ``keep`` checkpoints; never the one ``latest`` names, one in flight, or one that a
+        roll-back set aside (those are kept as a record).
 
         Keeps the newest, or with ``score_attribute`` the best by that metric of the manifest's
         ``metadata["metrics"]`` (``score_order`` "max" or "min"; checkpoints without it rank last)."""
@@ -254,7 +332,8 @@ class CheckpointStore:
             return []
         pointer = self.read_pointer()
         protected = set(self._in_flight) | ({pointer["name"]} if pointer else set())
-        ranked = list(reversed(self.list()))  # newest first
+        rollbacks = self.rollbacks()
+        ranked = [i for i in reversed(self.list()) if not _rolled_back(i, rollbacks)]  # newest first
         if score_attribute:
             ranked.sort(key=lambda i: _score(i, score_attribute, score_order))  # stable: ties stay newest first
         kept = [i.name for i in ranked if i.name in protected]
@@ -275,105 +354,112 @@ class CheckpointStore:
         self.storage.delete(f"{self._key(name)}/{MANIFEST}")
         self.storage.delete(self._key(name), recursive=True)
 
+    # -- best, roll-back, fencing ---------------------------------------------------------------
+    def best(self, attribute: str, order: str = "max") -> builtins.list[CheckpointInfo]:
+        """Checkpoints that report ``attribute`` in their metrics, best first (ties: newest first)."""
+        rollbacks = self.rollbacks()
+        scored = [i for i in reversed(self.list()) if attribute in i.metrics and not _rolled_back(i, rollbacks)]
+        return sorted(scored, key=lambda i: _score(i, attribute, order))
+
+    def rollbacks(self) -> builtins.list[dict[str, Any]]:
+        found = []
+        for fname in self.storage.sizes(ROLLBACKS) if self.storage.exists(ROLLBACKS) else {}:
+            try:
+                raw = json.loads(self.storage.get(f"{ROLLBACKS}/{fname}"))
+                found.append({"generation": int(raw["generation"]), "to": str(raw["to"]), "order": raw["order"]})
+            except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
+                log.warning("%s/%s/%s is unreadable (%s); ignoring it", self.uri, ROLLBACKS, fname, exc)
+        return found
+
+    def roll_back(self, to: str, writer: Writer) -> builtins.list[str]:
+        """Makes checkpoint ``to`` the run's newest: checkpoints of older writers that got further stop being
+        candidates (recorded under rollbacks/, never deleted). Returns their names. ``to`` must verify deeply."""
+        info = self.info(validate_name(to, "resume_from"))
+        problems = self.check(info, deep=True) if info else [f"{to}: no readable {MANIFEST}"]
+        if info is None or problems:
+            raise NotACheckpointError(
+                f"resume_from={to!r}: no checkpoint of that name verifies ({'; '.join(problems)})"
+            )
+        self.check_fence(writer)
+        later = [i.name for i in self.list() if i.manifest.order > info.manifest.order]
+        record = {"generation": writer.generation, "to": to, "order": list(info.manifest.order), "set_aside": later}
+        self.storage.put(f"{ROLLBACKS}/{writer.generation:012d}.json", json.dumps(record, indent=1).encode())
+        pointer = {"name": to, "generation": writer.generation, "manifest_sha256": info.manifest_sha256}
+        self.storage.put(POINTER, json.dumps(pointer).encode())
+        return later
+
+    def claim_generation(self, label: str = "") -> int:
+        """Claims a writer generation higher than any claimed before (see fencing.py)."""
+        return self.fence.claim(floor=(self.read_pointer() or {}).get("generation", 0), label=label)
+
+    def check_fence(self, writer: Writer) -> None:
+        self.fence.check(writer, (self.read_pointer() or {}).get("generation", 0))
+
     # -- helpers -------------------------------------------------------------------------------
     def _key(self, name: str) -> str:
         return f"{CHECKPOINTS}/{name}"
 
-    def _info(self, name: str) -> CheckpointInfo | None:
+    def info(self, name: str) -> CheckpointInfo | None:
+        """The checkpoint as its manifest describes it (not verified), or None without a readable manifest."""
         try:
-            manifest = Manifest.from_json(self.storage.get(f"{self._key(name)}/{MANIFEST}"))
+            body = self.storage.get(f"{self._key(name)}/{MANIFEST}")
+            manifest = Manifest.from_json(body)
         except FileNotFoundError:
             return None
         except ManifestError as exc:
             log.warning("checkpoint %s: %s", self.storage.uri(self._key(name)), exc)
             return None
-        return CheckpointInfo(name=name, uri=self.storage.uri(self._key(name)), manifest=manifest)
+        return CheckpointInfo(name, self.storage.uri(self._key(name)), manifest, sha256_hex(body))
 
-    def _candidates(self, deep: bool):
-        """Checkpoints that verify, best first: the one ``latest`` names, then newest to oldest."""
-        pointer = self.read_pointer()
-        tried = set()
-        if pointer is not None:
-            tried.add(pointer["name"])
-            info = self._info(pointer["name"])
-            problems = self.check(info, deep) if info else [f"{pointer['name']}: no readable {MANIFEST}"]
-            if not problems:
-                yield info
-            else:
-                log.warning(
-                    "latest names %s, which does not verify (%s); using the newest good one",
-                    pointer["name"],
-                    "; ".join(problems),
-                )
-        for info in reversed(self.list()):
-            if info.name in tried:
-                continue
-            problems = self.check(info, deep)
-            if problems:
-                log.warning("skipping checkpoint %s: %s", info.name, "; ".join(problems))
-                continue
-            yield info
 
-    def claim_generation(self, label: str = "") -> int:
-        """Claims a writer generation higher than any claimed before, with an exclusive create.
+def _may_be_past(name: str, head: str, head_samples: int) -> bool:
+    """Whether checkpoint ``name`` may be newer than ``head``: its name says it saw more samples (or says
+    nothing). Reading only those keeps resolving cheap in a run with thousands of checkpoints."""
+    if name == head:
+        return False
+    m = _SAMPLES_IN_NAME.search(name)
+    return m is None or int(m.group(1)) > head_samples
 
-        Each run of the flow (a restart too) claims one. Commits refuse to go on once a higher
-        generation has been claimed, so of two processes advancing one run, the older one stops."""
-        generation = max(self._newest_claim(), (self.read_pointer() or {}).get("generation", 0)) + 1
-        for _ in range(100):
-            body = json.dumps({"generation": generation, "label": label, **Writer.current().__dict__}).encode()
-            if self.storage.create(f"{CLAIMS}/{generation:012d}", body):
-                return generation
-            generation += 1
-        raise FencedError(f"{self.uri}: could not claim a writer generation (100 concurrent claims?)")
 
-    def _newest_claim(self) -> int:
-        names = self.storage.sizes(CLAIMS) if self.storage.exists(CLAIMS) else {}
-        return max((int(n) for n in names if n.isdigit()), default=0)
+def _rolled_back(info: CheckpointInfo, rollbacks: list[dict[str, Any]]) -> bool:
+    """Set aside by a roll-back: written by an older generation than the roll-back, and got further than its target."""
+    return any(
+        info.manifest.writer.generation < rb["generation"] and list(info.manifest.order) > list(rb["order"])
+        for rb in rollbacks
+    )
 
-    def _check_fence(self, writer: Writer) -> None:
-        newest = max(self._newest_claim(), (self.read_pointer() or {}).get("generation", 0))
-        if newest > writer.generation:
-            raise FencedError(
-                f"{self.uri}: writer generation {newest} has claimed this run; this writer "
-                f"(generation {writer.generation}) is stale and stops without writing"
-            )
+
+def _cross_check_progress(info: CheckpointInfo, state: Any) -> None:
+    """``state.pt`` carries its own copy of the progress counters: it must agree with the manifest."""
+    copy = state.get("progress") if isinstance(state, dict) else None
+    if not isinstance(copy, dict):
+        return
+    differing = sorted(k for k in set(copy) & set(info.progress) if int(copy[k]) != int(info.progress[k]))
+    if differing:
+        raise CorruptCheckpointError(
+            f"{info.uri}: the manifest's progress ({', '.join(f'{k}={info.progress[k]}' for k in differing)}) "
+            f"disagrees with the copy inside {STATE_FILE} ({', '.join(f'{k}={copy[k]}' for k in differing)})"
+        )
 
 
 def _score(info: CheckpointInfo, attribute: str, order: str) -> tuple[int, float]:
     """Sort key, best first."""
-    value = info.manifest.metadata.get("metrics", {}).get(attribute)
+    value = info.metrics.get(attribute)
     if value is None:
         return (1, 0.0)
     return (0, -float(value) if order == "max" else float(value))
 
 
-_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-hash")
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def serialize(objects: dict[str, Any]) -> dict[str, bytes]:
-    blobs = {}
-    for fname, obj in objects.items():
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        blobs[fname] = buf.getvalue()
-    return blobs
-
-
-def safe_load(data: bytes, where: str) -> Any:
-    """``torch.load`` with ``weights_only=True``: tensors and plain containers only, never code."""
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{where} holds objects that only an unsafe unpickler could load; refusing it "
-            f"(weights_only=True). If you wrote this file yourself, re-save it with tensors and plain "
-            f"containers only. Detail: {str(exc).splitlines()[0]}"
-        ) from exc
+def split_run_uri(uri: str) -> tuple[str, str, str | None]:
+    """``<save_folder>/<run_name>[/checkpoints/<name>[/manifest.json]]`` -> (save_folder, run_name, name)."""
+    uri = str(uri).rstrip("/").removesuffix(f"/{MANIFEST}").rstrip("/")
+    name = None
+    if f"/{CHECKPOINTS}/" in uri:
+        uri, name = uri.rsplit(f"/{CHECKPOINTS}/", 1)
+    if "/" not in uri:
+        raise NotACheckpointError(f"{uri!r}: give <save_folder>/<run_name>, e.g. runs/exp1 or s3://bucket/runs/exp1")
+    folder, run = uri.rsplit("/", 1)
+    return folder, run, name
 
 
 def open_checkpoint_uri(
@@ -384,15 +470,17 @@ def open_checkpoint_uri(
     option: str = "load_path",
 ) -> LoadedCheckpoint:
     """Loads a checkpoint named by URI: a checkpoint folder, or a run folder (its latest good one)."""
-    uri = str(uri).rstrip("/").removesuffix(f"/{MANIFEST}").rstrip("/")
-    probe = Storage(uri, storage_options)
-    if probe.exists(MANIFEST) and f"/{CHECKPOINTS}/" in uri:
-        run_uri, name = uri.rsplit(f"/{CHECKPOINTS}/", 1)
-        folder, run = run_uri.rsplit("/", 1)
-        return CheckpointStore(folder, run, storage_options=storage_options).load(name, files)
-    if "/" in uri and (probe.exists(POINTER) or probe.exists(CHECKPOINTS)):
-        folder, run = uri.rsplit("/", 1)
-        loaded = CheckpointStore(folder, run, storage_options=storage_options).load_latest(files)
+    try:
+        folder, run, name = split_run_uri(uri)
+        store = CheckpointStore(folder, validate_name(run, option), storage_options=storage_options)
+    except ValueError as exc:
+        raise NotACheckpointError(f"{option}={uri!r}: {exc}") from exc
+    if name is not None:
+        if store.info(validate_name(name, option)) is None:
+            raise NotACheckpointError(f"{option}={uri!r}: no checkpoint with a readable {MANIFEST} there")
+        return store.load(name, files)
+    if store.storage.exists(POINTER) or store.storage.exists(CHECKPOINTS):
+        loaded = store.load_latest(files)
         if loaded is not None:
             return loaded
         raise NotACheckpointError(f"{option}={uri!r}: the run there has no checkpoint that verifies")

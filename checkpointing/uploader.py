@@ -1,9 +1,10 @@
-"""Background commits: training goes on while the previous checkpoint uploads.
+"""Commits, now or in the background: training goes on while the previous checkpoint uploads.
 
-The unit serializes its state (the only stall), hands the bytes here and keeps training. One commit
-is in flight at most, so memory stays bounded at one serialized checkpoint. ``latest`` moves only when
-the commit has written every file and the manifest; a process that dies mid-upload leaves ``latest``
-on the previous checkpoint, and the torn folder has no manifest, so nothing torn is ever read.
+A unit serializes its state (the only stall) and hands the bytes to a ``Committer``. With a background
+upload, at most one commit is in flight, so memory stays bounded at one serialized checkpoint, and
+``latest`` moves only when the commit has written every file and the manifest; a process that dies
+mid-upload leaves ``latest`` on the previous checkpoint, and the torn folder has no manifest, so nothing
+torn is ever read. Either way the caller gets a ``PendingCommit``, which says whether it is committed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from checkpointing.manifest import Writer
@@ -20,44 +22,88 @@ from checkpointing.store import CheckpointInfo, CheckpointStore
 log = logging.getLogger(__name__)
 
 
-class BackgroundCommitter:
-    """Commits one checkpoint at a time on a background thread."""
+@dataclass(frozen=True)
+class CommitRequest:
+    """What to commit, and the retention to apply after it."""
+
+    store: CheckpointStore
+    name: str
+    blobs: dict[str, bytes]
+    progress: dict[str, int]
+    metadata: dict[str, Any]
+    writer: Writer
+    keep: int = -1
+    score: tuple[str, str] | None = None  # (metric, "max" | "min") for keep-best retention
+
+    @property
+    def uri(self) -> str:
+        return self.store.storage.uri(f"checkpoints/{self.name}")
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(b) for b in self.blobs.values())
+
+
+@dataclass
+class PendingCommit:
+    """A checkpoint handed to the store: ``committed`` once its manifest and ``latest`` are written."""
+
+    name: str
+    uri: str
+    size_bytes: int
+    _future: Future[CheckpointInfo] = field(repr=False, default_factory=Future)
+
+    @classmethod
+    def of(cls, info: CheckpointInfo) -> PendingCommit:
+        """An already committed checkpoint."""
+        pending = cls(name=info.name, uri=info.uri, size_bytes=info.size_bytes)
+        pending._future.set_result(info)
+        return pending
+
+    @property
+    def committed(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    def wait(self) -> CheckpointInfo:
+        """Blocks until the commit is done; re-raises its error."""
+        return self._future.result()
+
+
+class Committer:
+    """Commits checkpoints of one process: now (``commit``) or on a background thread (``submit``)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-upload")
         self._lock = threading.Lock()
-        self._pending: Future | None = None
-        self.pending_name: str | None = None
-        self.pending_store_uri: str | None = None
+        self._pending: PendingCommit | None = None
+        self._pending_store_uri: str | None = None
 
-    def submit(
-        self,
-        store: CheckpointStore,
-        name: str,
-        blobs: dict[str, bytes],
-        *,
-        progress: dict[str, int],
-        metadata: dict[str, Any],
-        writer: Writer,
-        keep: int = -1,
-        score: tuple[str, str] | None = None,
-    ) -> None:
-        """Starts committing ``blobs``; first waits for (and re-raises the failure of) the previous one."""
+    def commit(self, request: CommitRequest) -> PendingCommit:
+        """Commits ``request`` before returning (after any commit still in flight)."""
         self.wait()
+        return PendingCommit.of(_commit_and_prune(request))
+
+    def submit(self, request: CommitRequest) -> PendingCommit:
+        """Starts committing ``request`` in the background; first waits for (and re-raises) the previous one."""
+        self.wait()
+        pending = _pending(request)
         with self._lock:
-            self.pending_name, self.pending_store_uri = name, store.uri
-            self._pending = self._pool.submit(self._commit, store, name, blobs, progress, metadata, writer, keep, score)
+            pending._future = self._pool.submit(_commit_in_background, request)
+            self._pending, self._pending_store_uri = pending, request.store.uri
+        return pending
+
+    def in_flight(self, store_uri: str) -> str | None:
+        """The name of the checkpoint of that store being uploaded now, if any."""
+        with self._lock:
+            pending = self._pending
+            same_store = self._pending_store_uri == store_uri
+        return pending.name if pending is not None and same_store and not pending._future.done() else None
 
     def wait(self) -> CheckpointInfo | None:
         """Blocks until the commit in flight (if any) is done; re-raises its error."""
         with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            return pending.result()
-        finally:
-            self.pending_name = self.pending_store_uri = None
+            pending, self._pending, self._pending_store_uri = self._pending, None, None
+        return pending.wait() if pending is not None else None
 
     def wait_quietly(self) -> CheckpointInfo | None:
         """Like ``wait`` but logs a failure instead of raising (a retry will resume from what committed)."""
@@ -65,49 +111,33 @@ class BackgroundCommitter:
             return self.wait()
         except Exception as exc:
             log.warning(
-                "background commit failed: %s: %s; resuming from the last committed checkpoint", type(exc).__name__, exc
+                "background commit failed: %s: %s; resuming from the last committed checkpoint",
+                type(exc).__name__,
+                exc,
             )
             return None
 
-    @staticmethod
-    def _commit(
-        store: CheckpointStore,
-        name: str,
-        blobs: dict[str, bytes],
-        progress,
-        metadata,
-        writer,
-        keep: int,
-        score: tuple[str, str] | None,
-    ) -> CheckpointInfo:
-        t0 = time.perf_counter()
-        info = commit_and_prune(
-            store, name, blobs, progress=progress, metadata=metadata, writer=writer, keep=keep, score=score
-        )
-        log.info(
-            "checkpoint %s committed in the background: %.1f MB in %.2fs",
-            name,
-            info.size_bytes / 1e6,
-            time.perf_counter() - t0,
-        )
-        return info
+
+def _pending(request: CommitRequest) -> PendingCommit:
+    return PendingCommit(name=request.name, uri=request.uri, size_bytes=request.size_bytes)
 
 
-def commit_and_prune(
-    store: CheckpointStore,
-    name: str,
-    blobs: dict[str, bytes],
-    *,
-    progress: dict[str, int],
-    metadata: dict[str, Any],
-    writer: Writer,
-    keep: int = -1,
-    score: tuple[str, str] | None = None,
-) -> CheckpointInfo:
-    """Commits a checkpoint, then applies retention with the same store (which knows what is in flight).
-    ``score`` is (metric, "max" or "min") for keep-best retention."""
-    info = store.commit(name, blobs, progress=progress, metadata=metadata, writer=writer)
-    if keep > 0:
-        attribute, order = score or (None, "max")
-        store.prune(keep, attribute, order)
+def _commit_in_background(request: CommitRequest) -> CheckpointInfo:
+    t0 = time.perf_counter()
+    info = _commit_and_prune(request)
+    log.info(
+        "checkpoint %s committed in the background: %.1f MB in %.2fs",
+        request.name,
+        info.size_bytes / 1e6,
+        time.perf_counter() - t0,
+    )
+    return info
+
+
+def _commit_and_prune(r: CommitRequest) -> CheckpointInfo:
+    """Commits, then applies retention with the same store (which knows what is in flight)."""
+    info = r.store.commit(r.name, r.blobs, progress=r.progress, metadata=r.metadata, writer=r.writer)
+    if r.keep > 0:
+        attribute, order = r.score or (None, "max")
+        r.store.prune(r.keep, attribute, order)
     return info

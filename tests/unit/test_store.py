@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -53,7 +54,12 @@ def test_saved_weights_round_trip_the_composer_way(backend):
     _folder, options = backend
     with fsspec.open(f"{store.uri}/checkpoints/c2/state.pt", "rb", **(options or {})) as f:  # the state file's URL
         assert torch.equal(torch.load(f, weights_only=True)["state"]["model"]["w"], torch.full((64,), 2.0))
-    assert json.loads(store.storage.get("latest")) == {"name": "c2", "generation": 1}
+    manifest_sha256 = hashlib.sha256(store.storage.get("checkpoints/c2/manifest.json")).hexdigest()
+    assert json.loads(store.storage.get("latest")) == {
+        "name": "c2",
+        "generation": 1,
+        "manifest_sha256": manifest_sha256,
+    }
 
 
 def test_a_checkpoint_without_manifest_does_not_count(backend):
@@ -98,17 +104,28 @@ def test_a_commit_writes_the_files_then_the_manifest_then_latest(backend, monkey
     assert written[2:] == ["checkpoints/c3/manifest.json", "latest"]
 
 
-@pytest.mark.parametrize("dies_at", ["manifest.json", "latest"])
-def test_a_commit_that_dies_midway_leaves_the_previous_checkpoint_in_charge(backend, monkeypatch, dies_at):
+def test_a_commit_that_dies_before_its_manifest_leaves_the_previous_checkpoint_in_charge(backend, monkeypatch):
     store = three_checkpoints(backend)
-    _spy_puts(store, monkeypatch, dies_at=dies_at)
+    _spy_puts(store, monkeypatch, dies_at="manifest.json")
     with pytest.raises(ProcessDied):
         _save_c3(store)
     folder, options = backend
     fresh = CheckpointStore(folder, "r", storage_options=options)  # what the next process sees
     assert fresh.storage.exists("checkpoints/c3/state.pt")  # the files did land
-    assert ("c3" in [i.name for i in fresh.list()]) == (dies_at == "latest")  # counted only with a manifest
+    assert "c3" not in [i.name for i in fresh.list()]  # counted only with a manifest
     assert fresh.read_pointer()["name"] == "c2" and fresh.load_latest().info.name == "c2"
+
+
+def test_a_commit_that_dies_between_its_manifest_and_latest_is_still_found(backend, monkeypatch):
+    store = three_checkpoints(backend)
+    _spy_puts(store, monkeypatch, dies_at="latest")
+    with pytest.raises(ProcessDied):
+        _save_c3(store)
+    folder, options = backend
+    fresh = CheckpointStore(folder, "r", storage_options=options)
+    assert fresh.read_pointer()["name"] == "c2"  # latest never moved ...
+    assert fresh.latest().name == "c3"  # ... but c3 verifies and is newer: nothing committed is redone
+    assert torch.equal(model_of(fresh.load_latest()), torch.full((64,), 3.0))
 
 
 CORRUPTIONS = {
@@ -122,7 +139,7 @@ WARNINGS = {  # each names the checkpoint, the file and what is wrong with it
     "truncated file": ["c2/state.pt: size"],
     "flipped byte": ["skipping checkpoint c2", "checkpoints/c2/state.pt", "does not match the manifest"],
     "deleted file": ["c2/rng-rank0.pt: missing"],
-    "deleted manifest": ["c2: no readable manifest.json"],
+    "deleted manifest": ["latest names c2, which has no readable manifest.json"],
     "torn manifest": ["checkpoints/c2: unreadable manifest"],
 }
 
@@ -153,7 +170,7 @@ def test_a_flipped_byte_keeps_the_size_so_only_sha256_catches_it(backend):
 
 
 POINTERS = {  # what `latest` holds -> what the warning must name
-    b'{"name": "does-not-exist", "generation": 1}': "latest names does-not-exist",
+    b'{"name": "does-not-exist", "generation": 1}': "latest names does-not-exist, which does not exist",
     b"\x00garbage": "latest is unreadable",
     b'["c0"]': "latest is unreadable",
     b'{"name": "../../other/checkpoints/o0", "generation": 9}': "latest name='../../other/checkpoints/o0'",
@@ -181,7 +198,7 @@ def test_retention_keeps_exactly_n_and_never_the_one_latest_names(backend, keep,
     assert [i.name for i in store.list()] == kept  # the oldest, c0, stays: latest names it
     assert sorted(deleted) == sorted({"c0", "c1", "c2"} - set(kept))
     assert store.storage.exists("checkpoints/c1/state.pt") == ("c1" in kept)  # deleted: files and all
-    assert store.latest().name == "c0"
+    assert store.latest().name == kept[-1]  # the newest that verifies
 
 
 class _RunsAShellCommand:
