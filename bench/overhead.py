@@ -115,10 +115,10 @@ def _config(variant: str, s3: LocalS3, shape: Shape):
 
 def run_flow(variant: str, s3: LocalS3, shape: Shape) -> FlowRun:
     from flows.train import train
-    from training.session import forget_warm_state
+    from training.warm import PROCESS
 
     config = _config(variant, s3, shape)
-    forget_warm_state()  # each run starts cold, as a new run does
+    PROCESS.forget()  # each run starts cold, as a new run does
     patches = prototypes.applied() if variant.endswith("prototype") else contextlib.nullcontext()
     with patches, LogRecorder("prefect.task_runs", "prefect.flow_runs", "checkpointing.uploader") as log:
         cpu_before = cpu_snapshot(s3)

@@ -88,7 +88,7 @@ def lightning_run(args: dict, batch: int, epochs_first: int, epochs_total: int) 
 
 def our_run(args: dict, batch: int, epochs_first: int, epochs_total: int) -> float:
     from flows.train import TrainConfig, train
-    from training.session import forget_warm_state
+    from training.warm import PROCESS
 
     common = dict(
         run_name=f"p{uuid.uuid4().hex[:8]}",
@@ -99,11 +99,11 @@ def our_run(args: dict, batch: int, epochs_first: int, epochs_total: int) -> flo
         global_batch_size=batch,
         seed=1,
     )
-    forget_warm_state()
+    PROCESS.forget()
     t0 = time.perf_counter()
     train(TrainConfig(max_duration=f"{epochs_first}ep", **common))
     if epochs_total > epochs_first:
-        forget_warm_state()  # a resume is a new process: nothing in memory
+        PROCESS.forget()  # a resume is a new process: nothing in memory
         train(TrainConfig(max_duration=f"{epochs_total}ep", **common))
     return time.perf_counter() - t0
 

@@ -1,13 +1,9 @@
 """A synthetic classification task whose model and dataset sizes are arguments (tests, benchmarks).
 
-Samples are a pure function of (seed, sample id), so any process can build the same dataset. With
-``record_dir`` set, every sample id trained on (as the product reports it) is appended to ``<record_dir>/ids-rank<r>.txt``: the
-sample-accounting tests read it to prove nothing was repeated or dropped.
+Samples are a pure function of (seed, sample id), so any process can build the same dataset.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +37,12 @@ class SyntheticRecipe:
         data_seed: int = 1234,
         eval_samples: int = 128,
         dropout: float = 0.1,
-        record_dir: str | None = None,
     ):
         if num_samples < 1 or num_layers < 1:
             raise ValueError(f"num_samples={num_samples}, num_layers={num_layers}: both must be >= 1")
         self.num_samples, self.in_features, self.hidden = num_samples, in_features, hidden
         self.num_layers, self.num_classes, self.lr = num_layers, num_classes, lr
-        self.data_seed, self.eval_samples, self.record_dir = data_seed, eval_samples, record_dir
+        self.data_seed, self.eval_samples = data_seed, eval_samples
         self.dropout = dropout  # draws from torch's RNG every step: resumes must restore it exactly
 
     def train_dataset(self) -> Dataset:
@@ -74,23 +69,12 @@ class SyntheticRecipe:
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         return F.cross_entropy(model(batch["x"]), batch["y"])
 
-    def on_train_batch(self, sample_ids: list[int]) -> None:
-        """Called by the product with the ids of each batch this process trains on."""
-        if self.record_dir:
-            self._record(sample_ids)
-
     def evaluate(self, model: nn.Module, batch) -> dict[str, float]:
         logits = model(batch["x"])
         return {
             "loss": float(F.cross_entropy(logits, batch["y"])),
             "accuracy": float((logits.argmax(1) == batch["y"]).float().mean()),
         }
-
-    def _record(self, ids: list[int]) -> None:
-        rank = int(os.environ.get("RANK", "0"))
-        os.makedirs(self.record_dir, exist_ok=True)
-        with open(os.path.join(self.record_dir, f"ids-rank{rank}.txt"), "a") as f:
-            f.write(" ".join(str(int(i)) for i in ids) + "\n")
 
 
 def _warmup(step: int) -> float:

@@ -21,6 +21,19 @@ os.environ["PREFECT_LOGGING_LEVEL"] = os.environ.get("PREFECT_LOGGING_LEVEL", "W
 for _key in [k for k in os.environ if k.startswith("TRAIN_")]:
     del os.environ[_key]
 
+# The tests' own recipes, allowed the way a worker allows recipes: in its environment (see training/recipe.py).
+RECORDING = "tests.recipes_for_tests:RecordingRecipe"
+TEST_RECIPES = ",".join(
+    [
+        RECORDING,
+        "tests.recipes_for_tests:TrackingRecipe",
+        "tests.recipes_for_tests:GatedRecipe",
+        "tests.integration.deploy_recipes:PausingRecipe",
+        "tests.integration.deploy_recipes:DyingRecipe",
+    ]
+)
+os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES
+
 
 @pytest.fixture(scope="session")
 def prefect_harness():
@@ -38,6 +51,7 @@ def prefect_env(prefect_harness) -> dict[str, str]:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
     env.update(
+        TRAIN_ALLOWED_RECIPES=TEST_RECIPES,
         PREFECT_API_URL=PREFECT_API_URL.value(),
         PREFECT_HOME=_PREFECT_HOME,
         PYTHONPATH=str(ROOT),
@@ -48,12 +62,15 @@ def prefect_env(prefect_harness) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def _fresh_process_state():
-    """Each test starts without the in-memory state a previous test's unit left behind."""
-    from training.session import forget_warm_state
+    """Each test starts without the in-memory state a previous test's unit left behind, and without the
+    recipes a command line run in this process allowed for itself."""
+    from training import recipe
+    from training.warm import PROCESS
 
-    forget_warm_state()
+    PROCESS.forget()
     yield
-    forget_warm_state()
+    PROCESS.forget()
+    recipe._allowed_in_process.clear()
 
 
 @pytest.fixture

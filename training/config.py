@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -25,9 +26,16 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from checkpointing.storage import validate_url
 from checkpointing.store import validate_name
 
-_DURATION = re.compile(r"^\s*(\d+)\s*(ep|ba)\s*$")
+_DURATION = re.compile(r"^\s*(\d+)\s*(ep|ba|sp)\s*$")
+MAX_COUNT = 10**12  # epochs, batches or samples: far past any real run, far below int64 overflow
+MAX_SEED = 2**63 - 1  # torch.manual_seed and the sampler's arithmetic take signed 64-bit seeds
+MAX_BATCH = 2**31 - 1
+_RECIPE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+_METRIC_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]{0,127}$")
+_HOST_PORT = re.compile(r"^[A-Za-z0-9_.-]{1,253}:\d{1,5}$|^\[[0-9A-Fa-f:]+\]:\d{1,5}$")
 _config_file: contextvars.ContextVar[str | None] = contextvars.ContextVar("config_file", default=None)
 
 
@@ -37,17 +45,20 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Duration:
-    """A length of training: ``value`` epochs (``unit='ep'``) or batches (``unit='ba'``)."""
+    """A length of training: ``value`` epochs (``'ep'``), optimizer steps (``'ba'``) or samples (``'sp'``).
+
+    Samples are Composer's unit: a budget in samples does not drift when the global batch size changes."""
 
     value: int
-    unit: Literal["ep", "ba"]
+    unit: Literal["ep", "ba", "sp"]
 
     @classmethod
     def parse(cls, text: str, option: str = "duration") -> Duration:
         m = _DURATION.match(str(text))
-        if not m or int(m.group(1)) <= 0:
+        if not m or not 1 <= int(m.group(1)) <= MAX_COUNT:
             raise ValueError(
-                f"{option}={text!r}: use '<n>ep' (epochs) or '<n>ba' (batches) with n >= 1, e.g. '10ep' or '500ba'"
+                f"{option}={text!r}: use '<n>ep' (epochs), '<n>ba' (batches) or '<n>sp' (samples) with "
+                f"1 <= n <= 10**12, e.g. '10ep', '500ba' or '100000sp'"
             )
         return cls(int(m.group(1)), m.group(2))  # type: ignore[arg-type]
 
@@ -60,12 +71,47 @@ def _duration(option: str):
 
 
 def _recipe_path(value: str) -> str:
+    """A registered recipe name ('digits') or an import path ('package.module:ClassName'); whether this
+    process may load it is decided later, against the worker's allow-list (training.recipe)."""
     module, sep, attr = value.partition(":")
+    if not sep and _RECIPE_NAME.match(value):
+        return value
     if not sep or not module or not attr or not all(p.isidentifier() for p in [*module.split("."), attr]):
         raise ValueError(
-            f"recipe={value!r}: use an import path 'package.module:ClassName', e.g. 'recipes.digits:DigitsRecipe'"
+            f"recipe={value!r}: use a registered recipe name (e.g. 'digits') or an import path "
+            f"'package.module:ClassName' (e.g. 'recipes.digits:DigitsRecipe')"
         )
     return value
+
+
+def _url(option: str):
+    return AfterValidator(lambda v: v if v is None else validate_url(v, option))
+
+
+def _finite(option: str, low: float, high: float):
+    def check(v: float) -> float:
+        if not math.isfinite(v) or not low <= v <= high:
+            raise ValueError(f"{option}={v!r}: use a number of seconds from {low:g} to {high:g}")
+        return v
+
+    return AfterValidator(check)
+
+
+def _json_object(option: str):
+    def check(v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            text = json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{option}: use a JSON object of strings, numbers, booleans, lists and objects ({exc})"
+            ) from None
+        if len(text) > 65536:
+            raise ValueError(
+                f"{option}: {len(text)} characters of JSON; keep it under 65536 (pass a file path instead)"
+            )
+        return v
+
+    return AfterValidator(check)
 
 
 class TrainConfig(BaseSettings):
@@ -84,30 +130,35 @@ class TrainConfig(BaseSettings):
     run_name: Annotated[str, AfterValidator(validate_name)] = Field(
         "default", description="Name of the run; its checkpoints live in <save_folder>/<run_name>/."
     )
-    save_folder: str = Field(
-        "runs", description="Where runs are stored: a local path or any fsspec URL (file://, s3://, memory://)."
+    save_folder: Annotated[str, _url("save_folder")] = Field(
+        "runs",
+        description="Where runs are stored: a local path, file://, s3://, gs://, az:// or memory:// (fsspec).",
     )
     recipe: Annotated[str, AfterValidator(_recipe_path)] = Field(
-        "recipes.digits:DigitsRecipe", description="Import path 'module:Class' of the recipe to train."
+        "recipes.digits:DigitsRecipe",
+        description="The recipe to train: a registered name ('digits') or an import path 'module:Class' that "
+        "the worker allows (entry points 'resumable_train.recipes' or TRAIN_ALLOWED_RECIPES).",
     )
-    recipe_args: dict[str, Any] = Field(
+    recipe_args: Annotated[dict[str, Any], _json_object("recipe_args")] = Field(
         default_factory=dict, description="Keyword arguments for the recipe's constructor (JSON on the CLI)."
     )
     max_duration: Annotated[str, _duration("max_duration")] = Field(
-        "5ep", description="Total length of training: '<n>ep' or '<n>ba'."
+        "5ep", description="Total length of training: '<n>ep', '<n>ba' or '<n>sp' (samples)."
     )
     save_interval: Annotated[str, _duration("save_interval")] = Field(
-        "1ep", description="Length of one unit (one Prefect task, one checkpoint): '<n>ep' or '<n>ba'."
+        "1ep", description="Length of one unit (one Prefect task, one checkpoint): '<n>ep', '<n>ba' or '<n>sp'."
     )
-    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, summed over all processes.")
-    seed: int = Field(42, ge=0, description="Seed for initialization, data order and every RNG.")
+    global_batch_size: int = Field(
+        64, ge=1, le=MAX_BATCH, description="Samples per optimizer step, summed over all processes."
+    )
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="Seed for initialization, data order and every RNG.")
     shuffle: bool = Field(True, description="Visit samples in a seeded random order each epoch (else in id order).")
     autoresume: bool = Field(
         True,
         description="Continue the run's latest good checkpoint. If false, a run that already has "
         "checkpoints is refused rather than overwritten.",
     )
-    load_path: str | None = Field(
+    load_path: Annotated[str | None, _url("load_path")] = Field(
         None, description="Checkpoint (folder URI) or run (folder URI) to start from when the run has none yet."
     )
     load_weights_only: bool = Field(
@@ -119,11 +170,12 @@ class TrainConfig(BaseSettings):
     data_skip_steps: int | None = Field(
         None,
         ge=0,
+        le=MAX_COUNT,
         description="On resume, skip this many batches of the new size from the start of the "
         "epoch instead of the saved position (for a changed dataset).",
     )
     num_checkpoints_to_keep: int = Field(
-        -1, description="How many checkpoints to keep (-1 keeps all); the one 'latest' names is always kept."
+        -1, le=10**6, description="How many checkpoints to keep (-1 keeps all); the one 'latest' names is always kept."
     )
     checkpoint_score_attribute: str | None = Field(
         None,
@@ -149,38 +201,59 @@ class TrainConfig(BaseSettings):
     nproc_per_node: int = Field(
         1,
         ge=1,
+        le=1024,
         description="Processes per machine for each unit. Above 1, each unit runs under torchrun with "
         "DDP (gloo on CPU, nccl on CUDA).",
     )
-    nnodes: int = Field(1, ge=1, description="Machines that train each unit together (torchrun --nnodes).")
+    nnodes: int = Field(1, ge=1, le=100_000, description="Machines that train each unit together (torchrun --nnodes).")
     rdzv_endpoint: str | None = Field(
         None, description="host:port of the torchrun rendezvous when nnodes > 1 (the same on every machine)."
     )
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+    num_workers: int = Field(0, ge=0, le=256, description="DataLoader worker processes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train: auto picks CUDA when present.")
-    unit_retries: int = Field(2, ge=0, description="Prefect retries of a failed unit (each one resumes).")
+    unit_retries: int = Field(2, ge=0, le=100, description="Prefect retries of a failed unit (each one resumes).")
     max_restarts: int = Field(
         3,
         ge=0,
+        le=1000,
         description="Restarts of a crashed flow run (rescheduled by the deployment's automation) after which "
         "the run ends Failed instead of resuming again.",
     )
-    retry_delay_seconds: float = Field(
-        1.0, ge=0, description="Base delay of the exponential backoff between unit retries."
+    retry_delay_seconds: Annotated[float, _finite("retry_delay_seconds", 0, 3600)] = Field(
+        1.0, description="Base delay of the exponential backoff between unit retries."
     )
-    store_retry_attempts: int = Field(6, ge=1, description="Attempts per object-store call on transient faults.")
-    store_retry_max_seconds: float = Field(120.0, gt=0, description="Give up an object-store call after this long.")
+    store_retry_attempts: int = Field(
+        6, ge=1, le=100, description="Attempts per object-store call on transient faults."
+    )
+    store_retry_max_seconds: Annotated[float, _finite("store_retry_max_seconds", 1, 86400)] = Field(
+        120.0, description="Give up an object-store call (all its attempts) after this long."
+    )
     eval_each_unit: bool = Field(False, description="Also evaluate after every unit (always done at the end).")
-    log_every_n_steps: int = Field(20, ge=1, description="Print a progress line every this many steps.")
+    log_every_n_steps: int = Field(20, ge=1, le=MAX_COUNT, description="Print a progress line every this many steps.")
     inject_fault_at_step: int | None = Field(
         None,
         ge=1,
+        le=MAX_COUNT,
         description="Fault injection for demos and tests: the first attempt of the unit that reaches "
         "this global step raises right after the step. Off by default.",
     )
     config_file: str | None = Field(
         None, description="YAML or TOML file with any of these fields (flags and TRAIN_* variables override it)."
     )
+
+    @field_validator("checkpoint_score_attribute")
+    @classmethod
+    def _metric_name(cls, v: str | None) -> str | None:
+        if v is not None and not _METRIC_NAME.match(v):
+            raise ValueError(f"checkpoint_score_attribute={v!r}: use a metric name such as 'loss' or 'eval_accuracy'")
+        return v
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not _HOST_PORT.match(v):
+            raise ValueError(f"rdzv_endpoint={v!r}: use host:port, e.g. 'node0.example:29400'")
+        return v
 
     @field_validator("num_checkpoints_to_keep")
     @classmethod
@@ -246,8 +319,10 @@ def load_config(argv: list[str] | None = None, **overrides: Any) -> TrainConfig:
     path = _find_config_file(argv)
     token = _config_file.set(path)
     try:
-        cli = CliSettingsSource(TrainConfig, cli_parse_args=argv, cli_exit_on_error=False)
-        return TrainConfig(_cli_settings_source=cli(args=argv), **overrides)
+        cli: CliSettingsSource[TrainConfig] = CliSettingsSource(
+            TrainConfig, cli_parse_args=argv, cli_exit_on_error=False
+        )
+        return TrainConfig(_cli_settings_source=cli(args=argv), **overrides)  # type: ignore[call-arg]
     finally:
         _config_file.reset(token)
 
@@ -261,6 +336,11 @@ def _find_config_file(argv: list[str]) -> str | None:
     return None
 
 
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def describe_error(exc: ValidationError) -> str:
     """One line per invalid field: name, value and what is accepted."""
     lines = []
@@ -272,5 +352,5 @@ def describe_error(exc: ValidationError) -> str:
         elif msg.startswith(f"{field}=") or field == "config":
             lines.append(msg)
         else:
-            lines.append(f"{field}={err.get('input')!r}: {msg}")
+            lines.append(f"{field}={_short(err.get('input'))}: {msg}")
     return "\n".join(lines)

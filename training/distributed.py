@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -21,12 +22,22 @@ import tempfile
 from pathlib import Path
 
 from training.config import TrainConfig, load_config
+from training.recipe import ALLOWED_ENV, resolve_recipe
 
 logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
 
 
 class DistributedUnitError(RuntimeError):
     """A torchrun unit ended without a result (a rank failed or was killed). Retried by Prefect."""
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for children that must not outlive this process: the kernel sends SIGKILL when the parent
+    dies, even by SIGKILL (Linux; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def torchrun_command(config: TrainConfig, args: list[str], rdzv_id: str) -> list[str]:
@@ -49,7 +60,7 @@ def torchrun_command(config: TrainConfig, args: list[str], rdzv_id: str) -> list
     return [*cmd, "-m", "training.distributed", *args]
 
 
-def launch_unit(config: TrainConfig, *, start_checkpoint: str | None, attempt: int, generation: int, log):
+def launch_unit(config: TrainConfig, *, attempt: int, generation: int, log):
     """Runs one unit under torchrun and returns rank 0's UnitResult."""
     from training.loop import UnitResult
 
@@ -66,10 +77,12 @@ def launch_unit(config: TrainConfig, *, start_checkpoint: str | None, attempt: i
             str(attempt),
             "--generation",
             str(generation),
-        ] + (["--start-checkpoint", start_checkpoint] if start_checkpoint else [])
+        ]
         env = dict(os.environ)
         if config.storage_options:
             env["TRAIN_STORAGE_OPTIONS"] = json.dumps(config.storage_options)
+        # This process already decided the recipe may run here; its ranks inherit that decision, nothing more.
+        env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), resolve_recipe(config.recipe)]))
         rdzv_id = f"{config.run_name}-g{generation}-a{attempt}"
         cmd = torchrun_command(config, args, rdzv_id)
         log.info(
@@ -92,8 +105,15 @@ def launch_unit(config: TrainConfig, *, start_checkpoint: str | None, attempt: i
 def _run_group(cmd: list[str], env: dict[str, str], log) -> int:
     """Runs ``cmd`` in a new session, relays its output, and always leaves nothing of it running."""
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with_parent,  # torchrun stops its ranks when the unit's process dies, however it dies
     )
+    assert proc.stdout is not None
     try:
         for line in proc.stdout:
             log.info("%s", line.rstrip())
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.session import World
 
     parser = argparse.ArgumentParser(description=__doc__)
-    for flag in ("--config", "--result", "--start-checkpoint"):
+    for flag in ("--config", "--result"):
         parser.add_argument(flag)
     parser.add_argument("--attempt", type=int, default=1)
     parser.add_argument(
@@ -140,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         generation = args.generation if args.generation is not None else _claim_on_rank0(config, world)
         result = run_unit(
             config,
-            start_checkpoint=args.start_checkpoint,
             attempt=args.attempt,
             generation=generation,
             world=world,
@@ -160,7 +179,7 @@ def _claim_on_rank0(config: TrainConfig, world) -> int:
 
     box = [open_store(config).claim_generation(label="torchrun unit") if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return int(box[0] or 0)
 
 
 class _RankFilter(logging.Filter):

@@ -12,14 +12,15 @@ from training import session as sessions
 from training.config import TrainConfig
 from training.loop import to_device
 from training.recipe import load_recipe
+from training.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
 
 
-def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str) -> dict[str, float]:
+def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: SessionCache = PROCESS) -> dict[str, float]:
     """Metrics of ``checkpoint_name``; reuses the in-memory model when it is that checkpoint."""
     store = sessions.open_store(config)
-    warm = sessions.warm_session(config, store, checkpoint_name)
+    warm = cache.peek(config, store, checkpoint_name)
     if warm is not None:
         recipe, model, device = warm.recipe, warm.model, warm.device
     else:

@@ -1,6 +1,6 @@
 """One unit of training, in plain PyTorch: resolve where to start, train to the unit boundary, commit.
 
-Every unit begins by resolving the run's latest good checkpoint (``session.restore``), so a Prefect
+Every unit begins by resolving the run's newest good checkpoint (``session.restore``), so a Prefect
 retry, a restarted flow or a new process elsewhere all resume the same way.
 """
 
@@ -14,11 +14,14 @@ import torch
 from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
+from checkpointing import CheckpointStore
+from checkpointing.uploader import PendingCommit
 from training import session as sessions
 from training.config import TrainConfig
-from training.progress import ends_unit, is_complete, unit_index
+from training.progress import ends_unit, is_complete, samples_left, unit_index
 from training.sampler import ResumableBatchSampler
 from training.session import SINGLE_PROCESS, Session, World
+from training.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,13 @@ class UnitResult(BaseModel):
     unit: int
     checkpoint: str
     checkpoint_name: str
+    checkpoint_committed: bool  # False while its background upload is still in flight
     progress: dict[str, int]
     complete: bool
-    resumed_from: str
+    origin: str  # where the unit's state came from: "store", "memory", "load_path" or "fresh"
+    resumed_from: str  # the same, for people
+    steps: int
+    attempt: int = 1  # this unit's attempt (a Prefect retry is attempt 2, ...)
     metrics: dict[str, float]
     num_train_samples: int
     world_size: int = 1
@@ -49,86 +56,90 @@ def run_unit(
     generation: int = 0,
     log: logging.Logger | logging.LoggerAdapter = logger,
     world: World = SINGLE_PROCESS,
+    cache: SessionCache = PROCESS,
 ) -> UnitResult:
-    """Trains one unit and commits its checkpoint. ``start_checkpoint`` is where the flow began
-    (data-skip options apply only when resuming from it); ``generation`` fences stale writers."""
+    """Trains one unit and commits its checkpoint. ``start_checkpoint`` is where the flow expects it to start
+    (this process's state is reused only for that one); ``generation`` fences stale writers."""
     store = sessions.open_store(config)
-    session, origin = sessions.take_warm(config, store, start_checkpoint) if world.size == 1 else (None, "")
-    if session is None:
-        sessions.uploader.wait_quietly()  # a cold resume must see what the previous unit committed
-        session, origin = sessions.restore(config, store, start_checkpoint, log, world)
+    session, origin = cache.take(config, store, start_checkpoint) if world.size == 1 else (None, None)
+    if session is None or origin is None:
+        cache.committer.wait_quietly()  # a cold resume must see what the previous unit committed
+        session, origin = sessions.restore(config, store, log, world)
     unit = unit_index(session.progress, config.interval)
-    if world.rank == 0:
-        log.info(
-            "unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
-            unit,
-            attempt,
-            origin,
-            session.progress.epoch,
-            session.progress.step,
-            session.progress.samples_seen,
-        )
-    try:
-        metrics = _train(config, session, unit, attempt, log)
-        info = _commit(config, store, session, metrics, generation)
-        if is_complete(session.progress, config.duration):
-            sessions.uploader.wait()  # the run is done only when its last checkpoint is committed
-    except BaseException:
-        sessions.release(session)  # a failed attempt's state must not leak into the retry
-        raise
-    if world.size == 1:
-        sessions.keep_warm(config, store, session, info.name)
     p = session.progress
     if world.rank == 0:
-        how = "committed in" if all(f.sha256 for f in info.manifest.files.values()) else "handed to the upload after"
-        log.info(
-            "unit %d done: loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
-            "%d samples seen",
-            unit,
-            metrics["loss"],
-            metrics["samples_per_second"],
-            info.name,
-            info.size_bytes / 1e6,
-            how,
-            metrics["checkpoint_seconds"],
-            p.epoch,
-            p.step,
-            p.samples_seen,
-        )
+        log.info("unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
+                 unit, attempt, origin.text, p.epoch, p.step, p.samples_seen)  # fmt: skip
+    try:
+        metrics, steps = _train(config, session, unit, attempt, log)
+        pending = _commit(config, store, session, cache, metrics, generation)
+        if is_complete(session.progress, config.duration):
+            cache.committer.wait()  # the run is done only when its last checkpoint is committed
+    except BaseException:
+        cache.release(session)  # a failed attempt's state must not leak into the retry
+        raise
+    if world.size == 1:
+        cache.keep(config, store, session, pending.name)
+    if world.rank == 0:
+        _log_unit_done(log, unit, session, pending, metrics)
     return UnitResult(
         unit=unit,
-        checkpoint=info.uri,
-        checkpoint_name=info.name,
-        progress=p.as_dict(),
-        complete=is_complete(p, config.duration),
-        resumed_from=origin,
+        checkpoint=pending.uri,
+        checkpoint_name=pending.name,
+        checkpoint_committed=pending.committed,
+        progress=session.progress.as_dict(),
+        complete=is_complete(session.progress, config.duration),
+        origin=origin.kind,
+        resumed_from=origin.text,
+        steps=steps,
+        attempt=attempt,
         metrics=metrics,
         num_train_samples=len(session.dataset),
         world_size=world.size,
     )
 
 
-def _commit(config: TrainConfig, store, s: Session, metrics: dict[str, float], generation: int):
+def _log_unit_done(log, unit: int, s: Session, pending: PendingCommit, metrics: dict[str, float]) -> None:
+    p, how = s.progress, "committed in" if pending.committed else "handed to the upload after"
+    log.info(
+        "unit %d done: loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
+        "%d samples seen",
+        unit, metrics["loss"], metrics["samples_per_second"], pending.name, pending.size_bytes / 1e6, how,
+        metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen,
+    )  # fmt: skip
+
+
+def _commit(
+    config: TrainConfig,
+    store: CheckpointStore,
+    s: Session,
+    cache: SessionCache,
+    metrics: dict[str, float],
+    generation: int,
+) -> PendingCommit:
     """Single process: save. Several: rank 0 gathers every rank's RNG state, saves, tells the others."""
     if s.world.size == 1:
-        return sessions.save(config, store, s, metrics, generation)
+        return sessions.save(config, store, s, cache.committer, metrics, generation)
     import torch.distributed as dist
 
     from training import rng
 
-    states = [None] * s.world.size if s.world.rank == 0 else None
+    states: list[Any] | None = [None] * s.world.size if s.world.rank == 0 else None
     dist.gather_object(rng.capture(), states, dst=0)
-    box = [sessions.save(config, store, s, metrics, generation, rng_states=states) if s.world.rank == 0 else None]
+    box: list[Any] = [None]
+    if s.world.rank == 0:
+        box = [sessions.save(config, store, s, cache.committer, metrics, generation, rng_states=states).wait()]
     dist.broadcast_object_list(box, src=0)  # every rank learns what was committed (or rank 0's error ends all)
-    return box[0]
+    return PendingCommit.of(box[0])
 
 
 # -- train ----------------------------------------------------------------------------------------
-def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> dict[str, float]:
+def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> tuple[dict[str, float], int]:
     p, epoch_size = s.progress, len(s.dataset)
     s.model.train()
     hook = getattr(s.recipe, "on_train_batch", None)
-    losses, start_samples, t0 = [], p.samples_seen, time.perf_counter()
+    losses: list[float] = []
+    start_samples, t0 = p.samples_seen, time.perf_counter()
     while not is_complete(p, config.duration):
         sampler, loader = _loader(config, s, epoch_size)
         unit_over = False
@@ -139,42 +150,37 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> dic
             epoch_ended = p.advance(global_n, epoch_size)
             if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
                 rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
-                log.info(
-                    "unit %d: step %d, epoch %d, sample %d/%d, loss %.4f, %.0f samples/s",
-                    unit,
-                    p.step,
-                    p.epoch,
-                    p.sample_in_epoch or epoch_size,
-                    epoch_size,
-                    losses[-1],
-                    rate,
-                )
+                log.info("unit %d: step %d, epoch %d, sample %d/%d, loss %.4f, %.0f samples/s", unit, p.step,
+                         p.epoch, p.sample_in_epoch or epoch_size, epoch_size, losses[-1], rate)  # fmt: skip
             if config.inject_fault_at_step == p.step and attempt == 1:
                 raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
-            if ends_unit(p, config.interval, config.duration, epoch_ended):
+            if ends_unit(p, config.interval, config.duration, epoch_ended, global_n):
                 unit_over = True
                 break
         if unit_over:
             break
     seconds = time.perf_counter() - t0
     trained = p.samples_seen - start_samples
-    return {
+    metrics = {
         "loss": sum(losses) / max(len(losses), 1),
         "samples": float(trained),
-        "steps": float(len(losses)),
         "train_seconds": seconds,
         "samples_per_second": trained / max(seconds, 1e-9),
     }
+    return metrics, len(losses)
 
 
 def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[ResumableBatchSampler, DataLoader]:
     p = s.progress
+    left = samples_left(p, config.duration)
+    stop = epoch_size if left is None else min(epoch_size, p.sample_in_epoch + left)
     sampler = ResumableBatchSampler(
         epoch_size,
         config.global_batch_size,
         seed=config.seed,
         epoch=p.epoch,
         start=p.sample_in_epoch,
+        stop=stop,
         shuffle=config.shuffle,
         rank=s.world.rank,
         world_size=s.world.size,

@@ -44,21 +44,44 @@ def rescaled(p: Progress, global_batch_size: int) -> Progress:
     return Progress(p.epoch, p.samples_seen // global_batch_size, p.samples_seen, p.sample_in_epoch, global_batch_size)
 
 
+def _count(p: Progress, unit: str) -> int:
+    return {"ep": p.epoch, "ba": p.step, "sp": p.samples_seen}[unit]
+
+
 def is_complete(p: Progress, duration: Duration) -> bool:
+    return _count(p, duration.unit) >= duration.value
+
+
+def is_past(p: Progress, duration: Duration) -> bool:
+    """Trained beyond ``duration`` (not merely up to it): a later model than the one asked for."""
     if duration.unit == "ep":
-        return p.epoch >= duration.value
-    return p.step >= duration.value
+        return p.epoch > duration.value or (p.epoch == duration.value and p.sample_in_epoch > 0)
+    return _count(p, duration.unit) > duration.value
+
+
+def at(p: dict[str, int], duration: Duration) -> bool:
+    """Whether progress counters ``p`` (a manifest's) sit exactly at the end of ``duration``."""
+    if duration.unit == "ep":
+        return p.get("epoch") == duration.value and p.get("sample_in_epoch", 0) == 0
+    return p.get({"ba": "step", "sp": "samples_seen"}[duration.unit]) == duration.value
 
 
 def unit_index(p: Progress, interval: Duration) -> int:
     """Number of the unit that starts at ``p`` (0-based)."""
-    return p.epoch // interval.value if interval.unit == "ep" else p.step // interval.value
+    return _count(p, interval.unit) // interval.value
 
 
-def ends_unit(p: Progress, interval: Duration, duration: Duration, epoch_ended: bool) -> bool:
-    """Whether the step just counted closes a unit: a save_interval boundary or the end of training."""
+def samples_left(p: Progress, duration: Duration) -> int | None:
+    """Samples until a duration in samples ends (None for other units): the last batch is cut to fit."""
+    return max(duration.value - p.samples_seen, 0) if duration.unit == "sp" else None
+
+
+def ends_unit(p: Progress, interval: Duration, duration: Duration, epoch_ended: bool, batch_samples: int) -> bool:
+    """Whether the step just counted (of ``batch_samples``) closes a unit: a save_interval boundary or the end."""
     if is_complete(p, duration):
         return True
     if interval.unit == "ba":
         return p.step % interval.value == 0
+    if interval.unit == "sp":  # the step that crosses a multiple of the interval closes the unit
+        return p.samples_seen // interval.value > (p.samples_seen - batch_samples) // interval.value
     return epoch_ended and p.epoch % interval.value == 0

@@ -1,4 +1,4 @@
-"""Recipes: the user's model, data and loss, loaded by import path.
+"""Recipes: the user's model, data and loss, loaded only from what the worker allows.
 
 A recipe is any class with::
 
@@ -16,17 +16,28 @@ A recipe is any class with::
 ``loss`` returns the mean over its batch: with several processes, each one's loss is weighted by its
 share of the global batch so that the averaged gradient is the global batch's mean.
 
-The product owns the sampler and the DataLoader, and so the data position.
+Trust: ``recipe`` and ``recipe_args`` arrive as flow-run parameters, from anyone allowed to create runs.
+Importing a module and calling a class is running code, so a run may only name a recipe that the
+process's own environment allows: one registered under the ``resumable_train.recipes`` entry-point
+group of an installed package, or listed in ``TRAIN_ALLOWED_RECIPES`` (``module:Class`` or
+``name=module:Class``, comma-separated). The check happens before anything is imported. Whoever runs
+``python -m flows.train`` by hand allows the recipe on their own command line (``allow_recipe``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import inspect
+import os
 from typing import Any, Protocol
 
 from training.config import ConfigError, TrainConfig
 
+ENTRY_POINT_GROUP = "resumable_train.recipes"
+ALLOWED_ENV = "TRAIN_ALLOWED_RECIPES"
 _REQUIRED = ("build_model", "train_dataset", "build_optimizer", "loss")
+_allowed_in_process: set[str] = set()
 
 
 class Recipe(Protocol):
@@ -36,25 +47,81 @@ class Recipe(Protocol):
     def loss(self, model: Any, batch: Any) -> Any: ...
 
 
-def load_recipe(config: TrainConfig) -> Recipe:
-    """Imports and constructs the recipe; any mistake is a ConfigError naming the option."""
-    module_name, _, class_name = config.recipe.partition(":")
+def _check_path(path: str, where: str) -> str:
+    module, sep, attr = path.partition(":")
+    if not sep or not all(p.isidentifier() for p in [*module.split("."), attr]):
+        raise ConfigError(f"{where}: {path!r} is not an import path 'package.module:ClassName'")
+    return path
+
+
+def allowed_recipes() -> dict[str, str]:
+    """Every recipe this process may load: name -> 'module:Class' (an allowed path is its own name too)."""
+    allowed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    for item in os.environ.get(ALLOWED_ENV, "").split(","):
+        name, sep, path = item.strip().partition("=")
+        if name:
+            path = path if sep else name
+            allowed[name.strip()] = _check_path(path.strip(), ALLOWED_ENV)
+    for path in _allowed_in_process:
+        allowed[path] = path
+    return allowed
+
+
+def allow_recipe(path: str) -> None:
+    """Lets this process (and the torchrun units it starts) load ``path``: for the person who runs
+    ``python -m flows.train --recipe pkg.mod:Cls`` by hand, or Python code that calls ``train()`` itself."""
+    _allowed_in_process.add(_check_path(path, "allow_recipe"))
+
+
+def resolve_recipe(value: str) -> str:
+    """The import path of ``value`` (a name or a path) if this process may load it; nothing is imported."""
+    allowed = allowed_recipes()
+    if value in allowed:
+        return allowed[value]
+    if value in allowed.values():
+        return value
+    names = ", ".join(sorted(n for n in allowed if ":" not in n)) or "none"
+    raise ConfigError(
+        f"recipe={value!r} is not allowed on this worker (registered: {names}); allow it in the environment of "
+        f"the process that runs the flow: {ALLOWED_ENV}='module:Class' or an entry point in the "
+        f"'{ENTRY_POINT_GROUP}' group of an installed package"
+    )
+
+
+def recipe_class(config: TrainConfig) -> type:
+    """Imports the allowed recipe class and checks that it is one, without calling anything of it."""
+    path = resolve_recipe(config.recipe)
+    module_name, _, class_name = path.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except ImportError as exc:
         raise ConfigError(
-            f"recipe={config.recipe!r}: cannot import {module_name!r} ({exc}); "
-            f"check the module path and that it is installed"
+            f"recipe={config.recipe!r}: cannot import {module_name!r} ({exc}); check the module path and that it "
+            f"is installed"
         ) from exc
     except AttributeError as exc:
         raise ConfigError(f"recipe={config.recipe!r}: {module_name!r} has no {class_name!r}") from exc
-    try:
-        recipe = cls(**config.recipe_args)
-    except TypeError as exc:
-        raise ConfigError(f"recipe_args={config.recipe_args!r}: {class_name} rejected them ({exc})") from exc
-    missing = [m for m in _REQUIRED if not callable(getattr(recipe, m, None))]
-    if missing:
+    if not inspect.isclass(cls):
+        raise ConfigError(f"recipe={config.recipe!r}: {path} is a {type(cls).__name__}, not a recipe class")
+    missing = [m for m in _REQUIRED if not callable(getattr(cls, m, None))]
+    if missing and not callable(getattr(cls, "train_loop", None)):
         raise ConfigError(
-            f"recipe={config.recipe!r}: missing method(s) {', '.join(missing)}; a recipe needs {', '.join(_REQUIRED)}"
+            f"recipe={config.recipe!r}: {path} is not a recipe: no {', '.join(missing)}; a recipe defines "
+            f"{', '.join(_REQUIRED)} (or train_loop for a loop of its own)"
         )
-    return recipe
+    return cls
+
+
+def load_recipe(config: TrainConfig) -> Recipe:
+    """Constructs the recipe with ``recipe_args``; any mistake is a ConfigError naming them."""
+    cls = recipe_class(config)
+    try:
+        return cls(**config.recipe_args)
+    except Exception as exc:  # a recipe's own validation may raise anything: it is the arguments' fault
+        raise ConfigError(
+            f"recipe_args={config.recipe_args!r}: {cls.__name__} rejected them ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def describe_recipe(config: TrainConfig) -> str:
+    return f"recipe {config.recipe!r} with recipe_args={config.recipe_args!r}"

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+np: Any
 try:
     import numpy as np
 except ImportError:  # numpy is optional for torch

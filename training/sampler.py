@@ -24,7 +24,8 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
-    """This rank's share of each global batch, from ``start`` (a sample position) to the epoch's end."""
+    """This rank's share of each global batch, from ``start`` (a sample position) to ``stop`` (default: the
+    epoch's end; a duration in samples may end mid-epoch, and then the last batch is cut to fit)."""
 
     def __init__(
         self,
@@ -34,35 +35,39 @@ class ResumableBatchSampler(Sampler[list[int]]):
         seed: int,
         epoch: int,
         start: int = 0,
+        stop: int | None = None,
         shuffle: bool = True,
         rank: int = 0,
         world_size: int = 1,
     ):
-        if not 0 <= start <= num_samples:
-            raise ValueError(f"start={start} is outside an epoch of {num_samples} samples")
+        stop = num_samples if stop is None else stop
+        if not 0 <= start <= stop <= num_samples:
+            raise ValueError(f"start={start}, stop={stop}: outside an epoch of {num_samples} samples")
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
-        self.seed, self.epoch, self.start, self.shuffle = seed, epoch, start, shuffle
+        self.seed, self.epoch, self.start, self.stop, self.shuffle = seed, epoch, start, stop, shuffle
         self.rank, self.world_size = rank, world_size
+        self._order: torch.Tensor | None = None
+
+    @property
+    def order(self) -> torch.Tensor:
+        """The epoch's order, built once (O(n)): ``shares`` and the DataLoader's ``__iter__`` both walk it."""
+        if self._order is None:
+            self._order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        return self._order
 
     def shares(self):
         """(this rank's sample ids, size of the global batch) per step. A rank's share is empty when the
         epoch's short last batch has fewer samples than there are ranks."""
-        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
-        for begin in range(self.start, self.num_samples, self.global_batch_size):
-            batch = order[begin : begin + self.global_batch_size]
+        order = self.order
+        for begin in range(self.start, self.stop, self.global_batch_size):
+            batch = order[begin : min(begin + self.global_batch_size, self.stop)]
             yield batch[self.rank :: self.world_size].tolist(), len(batch)
 
     def __iter__(self):
         """What the DataLoader loads. An empty share loads one sample of the batch for a zero-weight step,
         so that every rank takes part in every gradient all-reduce."""
-        order_first = None
         for ids, _ in self.shares():
-            if ids:
-                yield ids
-            else:
-                if order_first is None:
-                    order_first = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
-                yield [int(order_first[self.num_samples - 1])]
+            yield ids if ids else [int(self.order[self.num_samples - 1])]
 
     def __len__(self) -> int:
-        return math.ceil((self.num_samples - self.start) / self.global_batch_size)
+        return math.ceil((self.stop - self.start) / self.global_batch_size)

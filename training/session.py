@@ -1,15 +1,12 @@
-"""A run's live objects: built, restored from the store, saved back, and kept warm between units.
+"""A run's live objects: built, restored from the store, and saved back.
 
-Restore order (Composer's autoresume, made safe): the run's latest good checkpoint, else ``load_path``
-(optionally weights only), else a fresh seeded initialization. The state a unit leaves behind after a
-successful commit is kept in memory (``_warm``); the next unit in this process reuses it instead of
-downloading the checkpoint it just wrote, but only while that checkpoint is still the run's latest (or
-is its own upload in flight). A failed unit's state is dropped, never reused.
+Restore order (Composer's autoresume, made safe): the run's newest good checkpoint, else ``load_path``
+(optionally weights only), else a fresh seeded initialization. What outlives one unit in a process (the
+warm session and the background committer) is kept by ``training.warm.SessionCache``, not here.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,13 +14,14 @@ from typing import Any
 
 import torch
 
-from checkpointing import CheckpointInfo, CheckpointStore, LoadedCheckpoint, Manifest, Writer, open_checkpoint_uri
-from checkpointing.manifest import FileEntry
+from checkpointing import CheckpointStore, LoadedCheckpoint, Writer, open_checkpoint_uri
+from checkpointing.serialization import serialize
 from checkpointing.storage import RetrySettings
-from checkpointing.store import STATE_FILE, serialize
-from checkpointing.uploader import BackgroundCommitter, commit_and_prune
+from checkpointing.store import STATE_FILE
+from checkpointing.uploader import CommitRequest, Committer, PendingCommit
 from training import rng
 from training.config import ConfigError, TrainConfig
+from training.identity import check_same_run, run_identity
 from training.progress import Progress, rescaled
 from training.recipe import Recipe, load_recipe
 
@@ -50,9 +48,18 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a unit's state came from: ``kind`` is what code decides on, ``text`` what people read."""
+
+    kind: str  # "store" (downloaded), "memory" (this process's warm state), "load_path", "fresh"
+    checkpoint: str | None = None
+    text: str = "fresh initialization"
+
+
 @dataclass
 class Session:
-    """Live objects of a run, clean at checkpoint ``key[1]`` while kept in ``_warm``."""
+    """Live objects of a run."""
 
     recipe: Recipe
     dataset: Any
@@ -63,12 +70,8 @@ class Session:
     device: torch.device
     world: World = field(default_factory=World)
     forward_model: torch.nn.Module | None = None  # DDP wrapper when world.size > 1
-    key: tuple = ()
     rng_state: dict[str, Any] | None = None
-
-
-_warm: Session | None = None
-uploader = BackgroundCommitter()
+    data_skip_applied: dict[str, Any] | None = None  # the data-skip options already applied to this run
 
 
 def open_store(config: TrainConfig) -> CheckpointStore:
@@ -84,67 +87,9 @@ def pick_device(config: TrainConfig, world: World = SINGLE_PROCESS) -> torch.dev
     return torch.device("cpu")
 
 
-# -- warm state -----------------------------------------------------------------------------------
-def warm_key(config: TrainConfig, store: CheckpointStore, name: str) -> tuple:
-    return (store.uri, name, config.fingerprint(), config.global_batch_size, str(pick_device(config)))
-
-
-def warm_session(config: TrainConfig, store: CheckpointStore, name: str) -> Session | None:
-    """The in-memory session if it is clean at checkpoint ``name`` of this run and config."""
-    return _warm if _warm is not None and _warm.key == warm_key(config, store, name) else None
-
-
-def take_warm(config: TrainConfig, store: CheckpointStore, start_checkpoint: str | None) -> tuple[Session | None, str]:
-    """Takes the in-memory session out for a unit, if it is still the run's latest state."""
-    global _warm
-    session, _warm = _warm, None
-    if session is None:
-        return None, ""
-    in_flight = uploader.pending_name if uploader.pending_store_uri == store.uri else None
-    if in_flight and session.key == warm_key(config, store, in_flight):
-        rng.restore(session.rng_state)
-        return session, f"checkpoint {in_flight} (in memory; its upload is in flight)"
-    latest = None if in_flight else store.latest()
-    skip_applies = (
-        latest is not None
-        and latest.name == start_checkpoint
-        and (config.ignore_data_skip or config.data_skip_steps is not None)
-    )
-    if latest is not None and not skip_applies and session.key == warm_key(config, store, latest.name):
-        rng.restore(session.rng_state)
-        return session, f"checkpoint {latest.name} (in memory, not downloaded)"
-    release(session)
-    return None, ""
-
-
-def keep_warm(config: TrainConfig, store: CheckpointStore, session: Session, name: str) -> None:
-    global _warm
-    session.key = warm_key(config, store, name)
-    _warm = session
-
-
-def release(session: Session) -> None:
-    """Drops a session's objects so that nothing of a failed attempt survives into a retry."""
-    global _warm
-    if _warm is session:
-        _warm = None
-    session.model = session.optimizer = session.scheduler = session.forward_model = None  # type: ignore[assignment]
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def forget_warm_state() -> None:
-    """Drops the in-memory state (tests use it to force a resume from the store)."""
-    if _warm is not None:
-        release(_warm)
-
-
 # -- restore --------------------------------------------------------------------------------------
-def restore(
-    config: TrainConfig, store: CheckpointStore, start_checkpoint: str | None, log, world: World = SINGLE_PROCESS
-) -> tuple[Session, str]:
-    """Builds the recipe's objects and loads the run's latest good checkpoint, load_path, or nothing."""
+def restore(config: TrainConfig, store: CheckpointStore, log, world: World = SINGLE_PROCESS) -> tuple[Session, Origin]:
+    """Builds the recipe's objects and loads the run's newest good checkpoint, load_path, or nothing."""
     recipe = load_recipe(config)
     dataset = recipe.train_dataset()
     device = pick_device(config, world)
@@ -153,17 +98,9 @@ def restore(
     optimizer = recipe.build_optimizer(model)
     build_scheduler = getattr(recipe, "build_scheduler", None)
     scheduler = build_scheduler(optimizer) if build_scheduler else None
-    session = Session(
-        recipe,
-        dataset,
-        model,
-        optimizer,
-        scheduler,
-        Progress(global_batch_size=config.global_batch_size),
-        device,
-        world,
-    )
-    origin = _load_into(config, store, session, start_checkpoint, log)
+    progress = Progress(global_batch_size=config.global_batch_size)
+    session = Session(recipe, dataset, model, optimizer, scheduler, progress, device, world)
+    origin = _load_into(config, store, session, log)
     if world.size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -172,13 +109,14 @@ def restore(
     return session, origin
 
 
-def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, start_checkpoint: str | None, log) -> str:
+def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, log) -> Origin:
     files = [STATE_FILE, session.world.rng_file]
     loaded = store.load_latest(files)
     if loaded is not None:
+        check_same_run(config, loaded.info)
         _apply(session, loaded, weights_only=False, log=log)
-        _reposition(config, session, applies_skip=loaded.info.name == start_checkpoint, log=log)
-        return f"checkpoint {loaded.info.name}"
+        reposition(config, session, log)
+        return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
     if config.load_path:
         loaded = open_checkpoint_uri(
             config.load_path,
@@ -187,23 +125,34 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, st
         )
         _apply(session, loaded, weights_only=config.load_weights_only, log=log)
         if not config.load_weights_only:
-            _reposition(config, session, applies_skip=True, log=log)
+            session.data_skip_applied = None  # another run's record: this run has applied nothing yet
+            reposition(config, session, log)
+        else:
+            session.data_skip_applied = requested_data_skip(config)
         what = "weights" if config.load_weights_only else "state"
-        return f"{what} of {loaded.info.uri} (load_path)"
+        return Origin("load_path", None, f"{what} of {loaded.info.uri} (load_path)")
     if session.world.size > 1:
         rng.seed_all(config.seed + session.world.rank)  # same initial weights everywhere, own RNG streams after
-    return "fresh initialization"
+    session.data_skip_applied = requested_data_skip(config)  # nothing to skip at the start of a run
+    return Origin("fresh")
 
 
 def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) -> None:
     state = loaded.objects[STATE_FILE]
-    session.model.load_state_dict(state["state"]["model"])
+    try:
+        session.model.load_state_dict(state["state"]["model"])
+    except RuntimeError as exc:  # a model of another shape: the checkpoint is fine, the configuration is not
+        raise ConfigError(
+            f"{loaded.info.uri} does not fit the model this configuration builds: {str(exc).splitlines()[0]} "
+            f"(check recipe and recipe_args)"
+        ) from exc
     if weights_only:
         return
     session.optimizer.load_state_dict(state["state"]["optimizer"])
     if session.scheduler is not None and state["state"].get("scheduler") is not None:
         session.scheduler.load_state_dict(state["state"]["scheduler"])
     session.progress = Progress.from_dict(loaded.info.progress)
+    session.data_skip_applied = loaded.info.manifest.metadata.get("data_skip_applied")
     rank = session.world.rank
     if rng_file(rank) in loaded.objects:
         rng.restore(loaded.objects[rng_file(rank)])
@@ -217,8 +166,15 @@ def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) 
         )
 
 
-def _reposition(config: TrainConfig, session: Session, applies_skip: bool, log) -> None:
-    """Carries the data position over to this run's global batch size and data-skip options."""
+def requested_data_skip(config: TrainConfig) -> dict[str, Any] | None:
+    if not config.ignore_data_skip and config.data_skip_steps is None:
+        return None
+    return {"ignore_data_skip": config.ignore_data_skip, "data_skip_steps": config.data_skip_steps}
+
+
+def reposition(config: TrainConfig, session: Session, log) -> None:
+    """Carries the data position over to this run's global batch size, and applies the data-skip options
+    once per run: the checkpoint records that they were applied, so a restart does not skip again."""
     p, new = session.progress, config.global_batch_size
     epoch_size = len(session.dataset)
     if p.global_batch_size and p.global_batch_size != new:
@@ -226,8 +182,8 @@ def _reposition(config: TrainConfig, session: Session, applies_skip: bool, log) 
         session.progress = p = rescaled(p, new)
         if not _continue_schedule(session.scheduler, p.step):
             log.warning(
-                "%s has no closed form: its step counter now reads %d, but its learning rate continues "
-                "from where it was",
+                "%s has no closed form: its step counter now reads %d, but its learning rate continues from where "
+                "it was",
                 type(session.scheduler).__name__,
                 p.step,
             )
@@ -235,36 +191,26 @@ def _reposition(config: TrainConfig, session: Session, applies_skip: bool, log) 
             "global_batch_size changed %d -> %d: %d samples already trained; epoch %d resumes at sample "
             "%d of %d (nothing repeated or dropped); the step counter, LR schedule and '<n>ba' durations "
             "continue at step %d = %d // %d (was step %d)",
-            old_size,
-            new,
-            p.samples_seen,
-            p.epoch,
-            p.sample_in_epoch,
-            epoch_size,
-            p.step,
-            p.samples_seen,
-            new,
+            old_size, new, p.samples_seen, p.epoch, p.sample_in_epoch, epoch_size, p.step, p.samples_seen, new,
             old_step,
-        )
+        )  # fmt: skip
     p.global_batch_size = new
-    if not applies_skip:
+    requested = requested_data_skip(config)
+    if requested is None or requested == session.data_skip_applied:
+        session.data_skip_applied = requested
         return
-    if config.ignore_data_skip and p.sample_in_epoch:
-        log.info(
-            "ignore_data_skip: epoch %d restarts from its first sample (was at sample %d)", p.epoch, p.sample_in_epoch
-        )
+    session.data_skip_applied = requested
+    if config.ignore_data_skip:
+        log.info("ignore_data_skip: epoch %d restarts from its first sample (was at sample %d); applied once "
+                 "(recorded in the checkpoint)", p.epoch, p.sample_in_epoch)  # fmt: skip
         p.sample_in_epoch = 0
     elif config.data_skip_steps is not None:
         target = min(config.data_skip_steps * new, epoch_size)
         log.info(
-            "data_skip_steps=%d: epoch %d resumes at sample %d (= %d batches of %d; was sample %d)",
-            config.data_skip_steps,
-            p.epoch,
-            target,
-            config.data_skip_steps,
-            new,
-            p.sample_in_epoch,
-        )
+            "data_skip_steps=%d: epoch %d resumes at sample %d (= %d batches of %d; was sample %d); applied once "
+            "(recorded in the checkpoint)",
+            config.data_skip_steps, p.epoch, target, config.data_skip_steps, new, p.sample_in_epoch,
+        )  # fmt: skip
         p.sample_in_epoch = target
 
 
@@ -277,7 +223,7 @@ def _continue_schedule(scheduler: Any, step: int) -> bool:
     closed_form = getattr(scheduler, "_get_closed_form_lr", None)
     if closed_form is None and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
 
-        def closed_form() -> list[float]:
+        def closed_form() -> list[Any]:
             return [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
 
     if closed_form is not None:
@@ -293,10 +239,11 @@ def save(
     config: TrainConfig,
     store: CheckpointStore,
     s: Session,
+    committer: Committer,
     metrics: dict[str, float],
     generation: int,
     rng_states: list[dict[str, Any]] | None = None,
-) -> CheckpointInfo:
+) -> PendingCommit:
     """Serializes the session (the only stall) and commits it, in the background when async upload is on.
 
     ``rng_states`` holds every rank's RNG state (gathered by rank 0) when several processes train."""
@@ -310,46 +257,38 @@ def save(
         },
         "progress": p.as_dict(),
     }
-    metadata = {
-        "config_fingerprint": config.fingerprint(),
-        "recipe": config.recipe,
-        "global_batch_size": config.global_batch_size,
-        "world_size": s.world.size,
-        "seed": config.seed,
-        "metrics": {k: float(v) for k, v in metrics.items()},
-    }
-    name = f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}"
     t0 = time.perf_counter()
     objects = {STATE_FILE: state}
     objects.update({rng_file(r): st for r, st in enumerate(rng_states or [s.rng_state])})
-    blobs = serialize(objects)
-    score = (
-        (config.checkpoint_score_attribute, config.checkpoint_score_order)
-        if config.checkpoint_score_attribute
-        else None
-    )
-    args = dict(
+    request = CommitRequest(
+        store=store,
+        name=store.name_for(f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}", generation),
+        blobs=serialize(objects),
         progress=p.as_dict(),
-        metadata=metadata,
+        metadata=checkpoint_metadata(config, s, metrics),
         writer=Writer.current(generation),
         keep=config.num_checkpoints_to_keep,
-        score=score,
+        score=(config.checkpoint_score_attribute, config.checkpoint_score_order)
+        if config.checkpoint_score_attribute
+        else None,
     )
-    if use_async_upload(config, store) and s.world.size == 1:
-        uploader.submit(store, name, blobs, **args)  # waits for the previous upload first
-        # Provisional: sizes only. The committer hashes the bytes off the training thread.
-        manifest = Manifest(
-            name=name,
-            files={f: FileEntry(len(b), "") for f, b in blobs.items()},
-            progress=p.as_dict(),
-            metadata=metadata,
-            writer=args["writer"],
-        )
-        info = CheckpointInfo(name=name, uri=store.storage.uri(f"checkpoints/{name}"), manifest=manifest)
-    else:
-        info = commit_and_prune(store, name, blobs, **args)
+    background = use_async_upload(config, store) and s.world.size == 1
+    pending = committer.submit(request) if background else committer.commit(request)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
-    return info
+    return pending
+
+
+def checkpoint_metadata(config: TrainConfig, s: Session, metrics: dict[str, float]) -> dict[str, Any]:
+    return {
+        "config": run_identity(config),
+        "config_fingerprint": config.fingerprint(),
+        "recipe": run_identity(config)["recipe"],
+        "global_batch_size": config.global_batch_size,
+        "world_size": s.world.size,
+        "seed": config.seed,
+        "data_skip_applied": s.data_skip_applied,
+        "metrics": {k: float(v) for k, v in metrics.items()},
+    }
 
 
 def use_async_upload(config: TrainConfig, store: CheckpointStore) -> bool:

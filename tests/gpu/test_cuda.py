@@ -14,7 +14,7 @@ from checkpointing import CheckpointStore
 from training.config import TrainConfig
 from training.distributed import launch_unit
 from training.loop import InjectedFault, run_unit
-from training.session import forget_warm_state
+from training.warm import PROCESS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -54,7 +54,7 @@ def weights(cfg: TrainConfig) -> dict:
 def test_cuda_run_with_a_retried_fault_matches_an_uninterrupted_one(tmp_path):
     clean, faulty = config(tmp_path, "clean"), config(tmp_path, "faulty", inject_fault_at_step=40)
     run_all(clean)
-    forget_warm_state()
+    PROCESS.forget()
     run_all(faulty, fail_once=True)
     a, b = weights(clean), weights(faulty)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from deployments import stack as stacks
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TEST_RECIPES
 
 # Runs must notice a dead machine within a test's patience: Prefect's floor for the heartbeat is 30 s
 # (prefect.yaml sets 30); 60 s of silence (2 heartbeats) marks a run Crashed.
@@ -37,6 +37,8 @@ class RunningStack:
             port=free_port(),
             extra_env={
                 "PYTHONPATH": str(ROOT),  # flow-run processes import the tests' recipes
+                "TRAIN_ALLOWED_RECIPES": TEST_RECIPES,  # ... which the worker allows, as a real worker would
+                "EVIL_MARKER": str(logs / "evil-module-was-imported"),  # tests/evil_recipe.py writes it on import
                 "PREFECT_LOGGING_LEVEL": "INFO",  # flow-run logs reach the API, where tests read them
                 "PREFECT_WORKER_QUERY_SECONDS": "1",
                 "PREFECT_LOGGING_SERVER_LEVEL": "INFO",  # server.log shows which events each automation saw

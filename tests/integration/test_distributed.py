@@ -13,6 +13,7 @@ import pytest
 
 from checkpointing import CheckpointStore
 from flows.train import train
+from tests.conftest import RECORDING
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
@@ -52,6 +53,7 @@ def test_two_then_one_then_two_processes_see_every_sample_once_per_epoch(make_co
                 max_duration=duration,
                 save_interval=interval,
                 recipe_args=args,
+                recipe=RECORDING,
             )
         )
         global_steps += steps_by_rank(record, nproc)
@@ -87,6 +89,7 @@ def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_conf
         max_duration="3ep",
         global_batch_size=16,
         recipe_args={"num_samples": 4000, "hidden": 256, "record_dir": str(record)},
+        recipe=RECORDING,
     )
     outcome: dict = {}
     runner = threading.Thread(target=lambda: outcome.update(result=train(config)))

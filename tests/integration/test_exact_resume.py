@@ -7,6 +7,7 @@ import torch
 
 from checkpointing import CheckpointStore
 from flows.train import train
+from tests.conftest import RECORDING
 from training.sampler import epoch_order
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -26,7 +27,11 @@ def test_resizing_the_global_batch_mid_epoch_repeats_and_drops_no_sample(make_co
     # left in epoch 1 (7 batches + a short one of 4) and 12 batches in epoch 2 -> step 36, 720 samples.
     plan = [(32, "5ba"), (48, "7ba"), (20, "3ep")]
     results = [
-        train(make_config(global_batch_size=gbs, max_duration=dur, save_interval="2ba", recipe_args=args))
+        train(
+            make_config(
+                global_batch_size=gbs, max_duration=dur, save_interval="2ba", recipe_args=args, recipe=RECORDING
+            )
+        )
         for gbs, dur in plan
     ]
 
@@ -41,9 +46,13 @@ def test_resizing_the_global_batch_mid_epoch_repeats_and_drops_no_sample(make_co
 def test_ignore_data_skip_restarts_the_epoch_once(make_config, tmp_path):
     record = tmp_path / "ids"
     args = {"num_samples": N, "record_dir": str(record)}
-    train(make_config(max_duration="5ba", save_interval="5ba", recipe_args=args))  # stops at sample 160
+    train(
+        make_config(max_duration="5ba", save_interval="5ba", recipe_args=args, recipe=RECORDING)
+    )  # stops at sample 160
     (record / "ids-rank0.txt").unlink()
-    train(make_config(max_duration="1ep", save_interval="2ba", ignore_data_skip=True, recipe_args=args))
+    train(
+        make_config(max_duration="1ep", save_interval="2ba", ignore_data_skip=True, recipe_args=args, recipe=RECORDING)
+    )
 
     # The epoch's data restarts from its first sample (once: later units of the run continue normally).
     assert recorded_ids(record) == epoch_order(N, 7, 0).tolist()
@@ -52,10 +61,17 @@ def test_ignore_data_skip_restarts_the_epoch_once(make_config, tmp_path):
 def test_data_skip_steps_skips_batches_of_the_new_size_from_the_epoch_start(make_config, tmp_path):
     record = tmp_path / "ids"
     args = {"num_samples": N, "record_dir": str(record)}
-    train(make_config(max_duration="5ba", save_interval="5ba", recipe_args=args))
+    train(make_config(max_duration="5ba", save_interval="5ba", recipe_args=args, recipe=RECORDING))
     (record / "ids-rank0.txt").unlink()
     train(
-        make_config(global_batch_size=48, max_duration="1ep", save_interval="1ba", data_skip_steps=2, recipe_args=args)
+        make_config(
+            global_batch_size=48,
+            max_duration="1ep",
+            save_interval="1ba",
+            data_skip_steps=2,
+            recipe_args=args,
+            recipe=RECORDING,
+        )
     )
 
     assert recorded_ids(record) == epoch_order(N, 7, 0).tolist()[2 * 48 :]

@@ -35,11 +35,11 @@ def test_yaml_config_file_is_read(tmp_path):
 @pytest.mark.parametrize(
     "field, value, expected",
     [
-        ("save_interval", "3x", "save_interval='3x': use '<n>ep' (epochs) or '<n>ba' (batches) with n >= 1"),
+        ("save_interval", "3x", "save_interval='3x': use '<n>ep' (epochs), '<n>ba' (batches) or '<n>sp' (samples)"),
         ("max_duration", "ep", "max_duration='ep'"),
         ("run_name", "a/b", "run_name='a/b': use 1-128 letters"),
         ("run_name", "/etc", "run_name='/etc'"),
-        ("recipe", "nocolon", "recipe='nocolon': use an import path 'package.module:ClassName'"),
+        ("recipe", "no colon", "recipe='no colon': use a registered recipe name (e.g. 'digits') or an import path"),
         ("num_checkpoints_to_keep", -3, "num_checkpoints_to_keep=-3"),
     ],
 )

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from training.config import Duration
-from training.progress import Progress, ends_unit, rescaled
+from training.progress import Progress, ends_unit, rescaled, samples_left
 from training.sampler import ResumableBatchSampler, epoch_order
 
 
@@ -88,10 +88,25 @@ def test_batch_size_change_continues_the_step_counter_from_samples_seen():
 
 def test_unit_boundaries_follow_save_interval_and_max_duration():
     p = Progress(epoch=0, step=4, samples_seen=128, sample_in_epoch=128, global_batch_size=32)
-    assert ends_unit(p, Duration(2, "ba"), Duration(3, "ep"), epoch_ended=False)
-    assert not ends_unit(p, Duration(3, "ba"), Duration(3, "ep"), epoch_ended=False)
-    assert ends_unit(p, Duration(1, "ep"), Duration(4, "ba"), epoch_ended=False)  # end of training
-    assert not ends_unit(p, Duration(1, "ep"), Duration(9, "ba"), epoch_ended=False)
+    assert ends_unit(p, Duration(2, "ba"), Duration(3, "ep"), epoch_ended=False, batch_samples=32)
+    assert not ends_unit(p, Duration(3, "ba"), Duration(3, "ep"), epoch_ended=False, batch_samples=32)
+    assert ends_unit(p, Duration(1, "ep"), Duration(4, "ba"), epoch_ended=False, batch_samples=32)  # end of training
+    assert not ends_unit(p, Duration(1, "ep"), Duration(9, "ba"), epoch_ended=False, batch_samples=32)
+    # In samples: the step that crosses a multiple of the interval closes the unit; the end is exact.
+    assert ends_unit(p, Duration(100, "sp"), Duration(3, "ep"), epoch_ended=False, batch_samples=32)  # 96 -> 128
+    assert not ends_unit(p, Duration(80, "sp"), Duration(3, "ep"), epoch_ended=False, batch_samples=32)  # 96 -> 128
+    assert ends_unit(p, Duration(128, "sp"), Duration(3, "ep"), epoch_ended=False, batch_samples=32)
+    assert ends_unit(p, Duration(1, "ep"), Duration(128, "sp"), epoch_ended=False, batch_samples=32)
+
+
+def test_a_duration_in_samples_cuts_the_last_batch_to_fit():
+    p = Progress(epoch=0, step=3, samples_seen=96, sample_in_epoch=96, global_batch_size=32)
+    assert samples_left(p, Duration(150, "sp")) == 54
+    assert samples_left(p, Duration(3, "ep")) is None
+    sampler = ResumableBatchSampler(200, 32, seed=0, epoch=0, start=96, stop=96 + 54)
+    assert [n for _, n in sampler.shares()] == [32, 22]
+    assert len(sampler) == 2
+    assert sum(len(ids) for ids in sampler) == 54
 
 
 def test_a_rank_with_no_sample_in_the_short_last_batch_loads_a_stand_in_but_reports_none():

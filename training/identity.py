@@ -1,0 +1,56 @@
+"""What makes a run the same run: the recipe, its arguments, the seed and the sample order.
+
+A checkpoint records them (manifest metadata ``config``); a launch that differs in any of them would
+load weights into a model of another shape, or continue an epoch in another order, so it is refused
+at start-up with one line naming the fields, before anything is written, and never retried. Durations,
+batch size, world size, retention and storage options may change between launches.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from checkpointing import CheckpointInfo
+from training.config import ConfigError, TrainConfig
+from training.recipe import resolve_recipe
+
+
+def run_identity(config: TrainConfig) -> dict[str, Any]:
+    """The fields that define the model and the data order, with the recipe as its import path."""
+    return {
+        "recipe": resolve_recipe(config.recipe),
+        "recipe_args": json.loads(json.dumps(config.recipe_args, sort_keys=True)),
+        "seed": config.seed,
+        "shuffle": config.shuffle,
+    }
+
+
+def differences(config: TrainConfig, info: CheckpointInfo) -> list[str]:
+    """'field: checkpoint -> this launch' for each identity field that differs."""
+    recorded = info.manifest.metadata.get("config")
+    if not isinstance(recorded, dict):  # written before identities were recorded: compare the fingerprint
+        old = info.manifest.metadata.get("config_fingerprint")
+        return [] if old in (None, config.fingerprint()) else ["recipe, recipe_args, seed or shuffle"]
+    mine = run_identity(config)
+    found = []
+    for key, value in mine.items():
+        if key == "recipe_args":
+            theirs = recorded.get(key) or {}
+            for arg in sorted(set(theirs) | set(value)):
+                if theirs.get(arg) != value.get(arg):
+                    found.append(f"recipe_args.{arg}: {theirs.get(arg)!r} -> {value.get(arg)!r}")
+        elif recorded.get(key) != value:
+            found.append(f"{key}: {recorded.get(key)!r} -> {value!r}")
+    return found
+
+
+def check_same_run(config: TrainConfig, info: CheckpointInfo) -> None:
+    """ConfigError (never retried) when ``config`` would continue ``info`` with another model or data order."""
+    found = differences(config, info)
+    if found:
+        raise ConfigError(
+            f"run_name={config.run_name!r} was trained with another configuration than this launch "
+            f"({'; '.join(found)}; checkpoint {info.name}). To train this configuration, choose a new run_name, "
+            f"or start a new run from its weights with load_path={info.uri!r} load_weights_only=true"
+        )

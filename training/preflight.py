@@ -1,0 +1,56 @@
+"""Pre-flight: build what the run needs once, before anything is written.
+
+A mistake in ``recipe_args`` (a negative width, a dataset that cannot be built) would otherwise surface
+in the first unit, after the run folder was claimed, be retried, and end in a traceback that does not
+name the argument. Here it is one ConfigError naming the recipe and its arguments, never retried. The
+model is built on PyTorch's meta device (shapes, no memory), and for real only if that fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from training.config import ConfigError, TrainConfig
+from training.recipe import describe_recipe, load_recipe
+
+MAX_EPOCH_SAMPLES = 2**31 - 1  # the epoch's sample order is a permutation held in memory (8 bytes a sample)
+_passed: set[str] = set()
+
+
+def preflight(config: TrainConfig) -> int:
+    """Constructs the recipe, opens its dataset and builds its model, optimizer and scheduler; returns the
+    number of training samples. Raises ConfigError naming the recipe and recipe_args."""
+    key = hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+    recipe = load_recipe(config)
+    where = describe_recipe(config)
+    dataset = _calling(where, "train_dataset()", recipe.train_dataset)
+    size = _calling(where, "len(train_dataset())", lambda: len(dataset))
+    if not isinstance(size, int) or not 1 <= size <= MAX_EPOCH_SAMPLES:
+        raise ConfigError(f"{where}: train_dataset() has {size!r} samples; use between 1 and {MAX_EPOCH_SAMPLES}")
+    if key not in _passed:
+        try:
+            with torch.device("meta"):
+                _build(recipe, where)
+        except ConfigError:
+            _build(recipe, where)  # some models cannot be built on the meta device; the real build decides
+        _passed.add(key)
+    return size
+
+
+def _build(recipe: Any, where: str) -> None:
+    model = _calling(where, "build_model()", recipe.build_model)
+    optimizer = _calling(where, "build_optimizer(model)", lambda: recipe.build_optimizer(model))
+    build_scheduler = getattr(recipe, "build_scheduler", None)
+    if build_scheduler is not None:
+        _calling(where, "build_scheduler(optimizer)", lambda: build_scheduler(optimizer))
+
+
+def _calling(where: str, what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # the recipe's own code, called with the run's arguments
+        raise ConfigError(f"{where}: {what} failed: {type(exc).__name__}: {exc}") from exc
