@@ -23,7 +23,8 @@ from pydantic import BaseModel
 
 from checkpointing import validate_name
 from checkpointing.storage import Storage
-from flows.train import TrainResult, check_restart_cap, train
+from flows import cli
+from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 
 RELEASE = "release.json"
@@ -87,6 +88,7 @@ def retrain(
     """Train one tick's model from the release's weights; promote it if ``metric`` is not worse."""
     log = get_run_logger()
     check_restart_cap(config.max_restarts)
+    refuse_storage_options_from_parameters()
     run_name = tick_run_name(run_prefix)
     release = read_release(config)
     updates: dict[str, Any] = {"run_name": run_name}
@@ -161,7 +163,10 @@ def decide(
     )
 
 
-if __name__ == "__main__":
-    from training.config import load_config
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.retrain``: one tick by hand, exiting like ``python -m flows.train``."""
+    return cli.run(retrain, sys.argv[1:] if argv is None else argv, lambda result: result.reason)
 
-    print(retrain(load_config(sys.argv[1:])).model_dump_json(indent=1))
+
+if __name__ == "__main__":
+    sys.exit(main())

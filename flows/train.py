@@ -10,21 +10,26 @@ from __future__ import annotations
 import sys
 
 from prefect import flow
+from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ValidationError
-from pydantic_settings import SettingsError
+from pydantic import BaseModel
 
-from checkpointing import CheckpointError, NotACheckpointError, open_checkpoint_uri
+from checkpointing import CheckpointInfo, CheckpointStore, NotACheckpointError, open_checkpoint_uri
+from flows import cli
 from flows.artifacts import RunReport
 from tasks import evaluate, unit_task
-from training.config import ConfigError, TrainConfig, describe_error, load_config
+from training.config import ConfigError, TrainConfig
+from training.identity import check_same_run
 from training.loop import UnitResult
-from training.progress import Progress, is_complete, rescaled, unit_index
-from training.recipe import load_recipe
+from training.preflight import preflight
+from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
+from training.recipe import allow_recipe
 from training.session import open_store
 
-__all__ = ["RestartLimitError", "TrainConfig", "TrainResult", "check_restart_cap", "main", "train"]
+__all__ = ["RestartLimitError", "TrainConfig", "TrainResult", "allow_recipe", "check_restart_cap", "main", "train"]
+
+MAX_REPEATS = 2  # units that end where an earlier one ended, before the flow stops instead of retraining
 
 
 class RestartLimitError(RuntimeError):
@@ -36,6 +41,7 @@ class TrainResult(BaseModel):
 
     run_name: str
     checkpoint: str
+    checkpoint_name: str = ""
     epoch: int
     step: int
     samples_seen: int
@@ -43,6 +49,8 @@ class TrainResult(BaseModel):
     metrics: dict[str, float]
     units: list[UnitResult]
     started_from: str
+    store: str = ""
+    warnings: list[str] = []
 
 
 @flow(name="train", flow_run_name="{config.run_name}", validate_parameters=True)
@@ -50,69 +58,128 @@ def train(config: TrainConfig) -> TrainResult:
     """Train ``config.recipe`` to ``config.max_duration``, one checkpointed unit per task."""
     log = get_run_logger()
     check_restart_cap(config.max_restarts)
-    load_recipe(config)  # a bad recipe or recipe_args fails here, before anything is written
+    refuse_storage_options_from_parameters()
+    preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
     store = open_store(config)
     start = store.latest()
-    if start is not None and not config.autoresume and flow_run.run_count <= 1:
-        raise ConfigError(
-            f"autoresume=False but run_name={config.run_name!r} already has checkpoints in "
-            f"{store.uri}; set autoresume=True to continue it, or choose a new run_name"
-        )
-    if start is None and config.load_path:
+    if start is not None:
+        check_same_run(config, start)
+        if not config.autoresume and flow_run.run_count <= 1:
+            raise ConfigError(
+                f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
+                f"autoresume=True to continue it, or choose a new run_name"
+            )
+    elif config.load_path:
         _check_load_path(config)
     # Claimed before resolving where to start: an older writer's commits after this point are refused.
     generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run.run_count})")
-    start = store.latest()
+    start = resolve_start(config, store, log)
     progress = rescaled(Progress.from_dict(start.progress), config.global_batch_size) if start else Progress()
-    log.info(
-        "run %s in %s: %s; %s to train",
-        config.run_name,
-        store.uri,
-        f"resuming from checkpoint {start.name}" if start else "no checkpoint yet",
-        "nothing left" if is_complete(progress, config.duration) else config.max_duration,
-    )
+    warnings = [w for w in [overshoot_warning(config, store, start, progress)] if w]
+    for warning in warnings:
+        log.warning(warning)
+    started_from = f"checkpoint {start.name}" if start else "no checkpoint"
+    log.info("run %s in %s: %s; %s to train", config.run_name, store.uri, started_from,
+             "nothing left" if is_complete(progress, config.duration) else config.max_duration)  # fmt: skip
     report = RunReport(config, store, start, log)
 
-    run_unit_task, units = unit_task(config), []
+    run_unit_task, units, guard = unit_task(config), [], RepeatGuard(progress)
     while not is_complete(progress, config.duration):
-        result = run_unit_task(
-            config,
-            unit=unit_index(progress, config.interval),
-            start_checkpoint=start.name if start else None,
-            generation=generation,
-        )
-        if result.metrics.get("steps", 0) == 0 and not result.complete:
-            raise RuntimeError(f"unit {result.unit} trained no step; stopping rather than looping")
+        expected = units[-1].checkpoint_name if units else (start.name if start else None)
+        unit = unit_index(progress, config.interval)
+        result = run_unit_task(config, unit=unit, start_checkpoint=expected, generation=generation)
+        guard.check(result)
         progress, units = Progress.from_dict(result.progress), [*units, result]
         report.unit_done(result)
         if config.eval_each_unit and not result.complete:
             evaluate(config, result.checkpoint_name)
 
-    final_name = units[-1].checkpoint_name if units else start.name
-    final_uri = units[-1].checkpoint if units else start.uri
+    final_name, final_uri = (units[-1].checkpoint_name, units[-1].checkpoint) if units else (start.name, start.uri)
     metrics = evaluate(config, final_name)
-    report.finish(units, metrics, started_from=f"checkpoint {start.name}" if start else "no checkpoint")
-    log.info(
-        "run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
-        config.run_name,
-        progress.epoch,
-        progress.step,
-        progress.samples_seen,
-        len(units),
-        final_uri,
-        ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-    )
+    report.finish(units, metrics, started_from=started_from)
+    log.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
+             config.run_name, progress.epoch, progress.step, progress.samples_seen, len(units), final_uri,
+             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))  # fmt: skip
     return TrainResult(
         run_name=config.run_name,
         checkpoint=final_uri,
+        checkpoint_name=final_name,
         epoch=progress.epoch,
         step=progress.step,
         samples_seen=progress.samples_seen,
         sample_in_epoch=progress.sample_in_epoch,
         metrics=metrics,
         units=units,
-        started_from=f"checkpoint {start.name}" if start else "no checkpoint",
+        started_from=started_from,
+        store=store.uri,
+        warnings=warnings,
     )
+
+
+def resolve_start(config: TrainConfig, store: CheckpointStore, log) -> CheckpointInfo | None:
+    """The checkpoint the run stands at. When it says the run is complete, it is what the run returns, and
+    no unit will load (and hash) it: verify every byte now, and fall back to retrain what is lost."""
+    start = store.latest()
+    if start is None or not is_complete(Progress.from_dict(start.progress), config.duration):
+        return start
+    verified = store.latest(deep=True)
+    if verified is None or verified.name != start.name:
+        log.warning("the final checkpoint %s failed verification; resuming from %s and retraining from there",
+                    start.name, verified.name if verified else "the start")  # fmt: skip
+    return verified
+
+
+class RepeatGuard:
+    """Stops a flow whose units keep ending where an earlier unit already ended (its commits are being
+    lost, e.g. a checkpoint that never verifies): it would otherwise retrain the same data forever."""
+
+    def __init__(self, start: Progress):
+        self.furthest, self.repeats = start.samples_seen, 0
+
+    def check(self, result: UnitResult) -> None:
+        if result.steps == 0 and not result.complete:
+            raise RuntimeError(f"unit {result.unit} trained no step; stopping rather than looping")
+        ended = result.progress.get("samples_seen", 0)
+        if ended > self.furthest:
+            self.furthest = ended
+            return
+        self.repeats += 1
+        if self.repeats > MAX_REPEATS:
+            raise RuntimeError(
+                f"unit {result.unit} ended at {ended} samples, where earlier units of this flow run already got "
+                f"({self.repeats} times): its checkpoints are not being kept (last: {result.checkpoint}). Stopping "
+                f"instead of retraining the same data; check the store: python -m checkpointing verify "
+                f"{result.checkpoint.rsplit('/checkpoints/', 1)[0]}"
+            )
+
+
+def overshoot_warning(config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None, p: Progress) -> str:
+    """A launch asking for less than the run already trained gets the run's newest checkpoint, and is told so."""
+    if start is None or not is_past(p, config.duration):
+        return ""
+    match = next((i for i in reversed(store.list()) if at(i.progress, config.duration)), None)
+    there = (
+        f"the checkpoint at {config.max_duration} is {match.name}; to go back to it: resume_from={match.name}"
+        if match
+        else f"no checkpoint sits exactly at {config.max_duration} (retention may have removed it)"
+    )
+    return (
+        f"run {config.run_name!r} already trained past max_duration={config.max_duration} (its newest checkpoint "
+        f"{start.name} is at epoch {p.epoch}, step {p.step}, {p.samples_seen} samples); returning it unchanged. "
+        f"{there[0].upper()}{there[1:]}"
+    )
+
+
+def refuse_storage_options_from_parameters() -> None:
+    """storage_options may hold credentials and endpoints: they come from the worker's environment
+    (TRAIN_STORAGE_OPTIONS) or from Python, never from a flow-run parameter set through the API."""
+    context = FlowRunContext.get()
+    raw = (context.flow_run.parameters or {}).get("config") if context and context.flow_run else None
+    if isinstance(raw, dict) and "storage_options" in raw:
+        raise ConfigError(
+            "storage_options cannot be set through a flow-run parameter (the API stores parameters, and they "
+            "choose endpoints); set TRAIN_STORAGE_OPTIONS in the environment of the worker instead"
+        )
 
 
 def check_restart_cap(max_restarts: int) -> None:
@@ -133,35 +200,23 @@ def _check_load_path(config: TrainConfig) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def done_line(result: TrainResult) -> str:
+    """The last line at the terminal: what happened, and where to look."""
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items()) or "no eval split"
+    lines = [
+        f"run {result.run_name} complete: epoch {result.epoch}, step {result.step}, {result.samples_seen} samples; "
+        f"{metrics}. Checkpoint: {result.checkpoint}"
+    ]
+    retried = [u for u in result.units if u.attempt > 1]
+    lines += [f"unit {u.unit} failed {u.attempt - 1} time(s); its retry resumed from {u.resumed_from}" for u in retried]
+    lines += [f"warning: {w}" for w in result.warnings]
+    lines.append(f"list the run's checkpoints: python -m checkpointing ls {result.store}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m flows.train``: exit 0 when the run is complete, else non-zero with one clear message."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        config = load_config(argv)
-    except ValidationError as exc:
-        print(f"error: invalid configuration:\n{describe_error(exc)}", file=sys.stderr)
-        return 2
-    except (SettingsError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        load_recipe(config)  # fail on a bad recipe before a Prefect server is even started
-        result = train(config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except CheckpointError as exc:
-        print(f"error: run {config.run_name!r}: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        print(f"error: run {config.run_name!r} did not complete: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    metrics = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
-    print(
-        f"run {result.run_name} complete: epoch {result.epoch}, step {result.step}, "
-        f"{result.samples_seen} samples; {metrics}; checkpoint {result.checkpoint}"
-    )
-    return 0
+    return cli.run(train, sys.argv[1:] if argv is None else argv, done_line)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ from prefect.logging import get_run_logger
 from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 
-from checkpointing import FencedError, NotACheckpointError, UnsafeCheckpointError
+from checkpointing import FencedError, NotACheckpointError, PermanentStorageError, UnsafeCheckpointError
 from training.config import ConfigError, TrainConfig
 from training.distributed import launch_unit
 from training.evaluation import evaluate_checkpoint
 from training.loop import UnitResult, run_unit
 
-_NOT_RETRIED = (ConfigError, UnsafeCheckpointError, FencedError, NotACheckpointError)
+# Mistakes and permanent conditions: a retry would fail the same way, after a backoff and a wall of tracebacks.
+_NOT_RETRIED = (ConfigError, UnsafeCheckpointError, FencedError, NotACheckpointError, PermanentStorageError)
 
 
 def retry_unless_permanent(task, task_run, state) -> bool:
@@ -35,21 +36,12 @@ def retry_unless_permanent(task, task_run, state) -> bool:
     retry_jitter_factor=0.5,
 )
 def train_unit(config: TrainConfig, unit: int, start_checkpoint: str | None = None, generation: int = 0) -> UnitResult:
-    """Train unit ``unit`` of the run, resuming from its latest good checkpoint."""
+    """Train unit ``unit`` of the run, resuming from its newest good checkpoint."""
+    log = get_run_logger()
     if config.nproc_per_node > 1 or config.nnodes > 1:
-        return launch_unit(
-            config,
-            start_checkpoint=start_checkpoint,
-            attempt=task_run.run_count,
-            generation=generation,
-            log=get_run_logger(),
-        )
+        return launch_unit(config, attempt=task_run.run_count, generation=generation, log=log)
     return run_unit(
-        config,
-        start_checkpoint=start_checkpoint,
-        attempt=task_run.run_count,
-        generation=generation,
-        log=get_run_logger(),
+        config, start_checkpoint=start_checkpoint, attempt=task_run.run_count, generation=generation, log=log
     )
 
 

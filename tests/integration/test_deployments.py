@@ -363,3 +363,28 @@ def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another
     assert crashed and "no heartbeat" in crashed[0].message  # marked by the heartbeat automation
     assert sorted(checkpoints(folder, "machine")) == ["ep1-ba8-sa256", "ep2-ba16-sa512", "ep3-ba24-sa768"]
     logs_containing(prefect_stack, run_id, "unit 1 (attempt 1): starting from checkpoint ep1-ba8-sa256 at epoch 1")
+
+
+def test_a_run_parameter_cannot_choose_code_or_storage_options(prefect_stack, tmp_path):
+    """Anyone who may create a flow run sets its parameters through the API: they must not import a module,
+    call a class that is not an allowed recipe, or choose the storage endpoint."""
+    marker = tmp_path / "evil-marker"
+    base = {**SYNTHETIC, "save_folder": str(tmp_path / "runs"), "recipe_args": {"num_samples": 64}}
+    attacks = {
+        "module": {**base, "run_name": "a1", "recipe": "tests.evil_recipe:NotARecipe",
+                   "recipe_args": {"path": str(marker)}},
+        "os.system": {**base, "run_name": "a2", "recipe": "os:system",
+                      "recipe_args": {"command": f"touch {marker}"}},
+        "storage": {**base, "run_name": "a3",
+                    "storage_options": {"client_kwargs": {"endpoint_url": "http://169.254.169.254"}}},
+    }  # fmt: skip
+    runs = {name: start_run(prefect_stack, "train/default", {"config": config}) for name, config in attacks.items()}
+
+    ended = {name: wait_for_state(prefect_stack, run_id, StateType.FAILED) for name, run_id in runs.items()}
+
+    assert "recipe='tests.evil_recipe:NotARecipe' is not allowed on this worker" in ended["module"].state.message
+    assert "recipe='os:system' is not allowed on this worker" in ended["os.system"].state.message
+    assert "storage_options cannot be set through a flow-run parameter" in ended["storage"].state.message
+    assert not marker.exists()
+    assert not (prefect_stack.logs / "evil-module-was-imported").exists()  # not even imported
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
