@@ -26,8 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from checkpointing.manifest import MANIFEST, Manifest, ManifestError, Writer, describe
 from checkpointing.storage import RetrySettings, Storage
 
@@ -356,6 +354,8 @@ def _sha256(data: bytes) -> str:
 
 
 def serialize(objects: dict[str, Any]) -> dict[str, bytes]:
+    import torch  # here, not at the top: listing and verifying checkpoints needs no torch (~1.4 s to import)
+
     blobs = {}
     for fname, obj in objects.items():
         buf = io.BytesIO()
@@ -366,6 +366,8 @@ def serialize(objects: dict[str, Any]) -> dict[str, bytes]:
 
 def safe_load(data: bytes, where: str) -> Any:
     """``torch.load`` with ``weights_only=True``: tensors and plain containers only, never code."""
+    import torch
+
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
