@@ -23,6 +23,8 @@ demo: install
 	rm -rf runs/demo
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m flows.train --run_name demo --inject_fault_at_step 30
 
+# Everything, the slow end-to-end tests included. tests/integration/test_ui.py (make test-ui) needs headless
+# Chromium: it runs `apt-get install -y chromium` itself when it is missing (root, ~60 s) or skips saying why.
 test: install
 	$(PY) -m pytest -q
 
@@ -58,7 +60,7 @@ clean:
 # `make stack` brings up all of it in one terminal (UI at http://127.0.0.1:4200; Ctrl-C stops it all).
 # Or one terminal each: `make server`, then `make deploy` and `make worker`. PREFECT_PORT picks another port.
 # From another shell:  export PREFECT_HOME=$PWD/.prefect PREFECT_API_URL=http://127.0.0.1:4200/api
-.PHONY: stack server deploy worker test-deployments
+.PHONY: stack server deploy worker test-deployments test-ui
 PREFECT_PORT ?= 4200
 STACK := PREFECT_PORT=$(PREFECT_PORT) $(PY) -m deployments.stack
 
@@ -77,3 +79,8 @@ worker: install
 # The end-to-end deployment tests alone (real server, worker and signals; about 3-4 minutes).
 test-deployments: install
 	$(PY) -m pytest -q tests/integration/test_deployments.py
+
+# The Prefect UI read by headless Chromium: a crash-restarted run's artifacts and hostile names (~2 minutes).
+# UPDATE_UI_SCREENSHOTS=1 make test-ui also refreshes the screenshots in docs/ that the README shows.
+test-ui: install
+	$(PY) -m pytest -q tests/integration/test_ui.py

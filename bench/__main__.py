@@ -14,6 +14,7 @@ BENCHES = {
     "overhead": "bench.overhead",
     "resume": "bench.resume_latency",
     "peer": "bench.peer_lightning",
+    "cli": "bench.cli_startup",
 }
 
 

@@ -18,8 +18,6 @@ import io
 import json
 import sys
 
-import torch
-
 from checkpointing.storage import StorageError
 from checkpointing.store import (
     CHECKPOINTS,
@@ -84,6 +82,9 @@ def cmd_verify(args, options) -> int:
 
 
 def cmd_export(args, options) -> int:
+    import fsspec
+    import torch  # only export needs it: ls and verify read JSON manifests and hash bytes
+
     loaded = open_checkpoint_uri(args.uri, storage_options=options, files=[STATE_FILE], option="uri")
     state = loaded.objects[STATE_FILE]
     out = {
@@ -96,8 +97,6 @@ def cmd_export(args, options) -> int:
     }
     buf = io.BytesIO()
     torch.save(out, buf)
-    import fsspec
-
     with fsspec.open(args.out, "wb", **options) as f:
         f.write(buf.getvalue())
     print(f"exported the weights of {loaded.info.uri} to {args.out} (torch.load(f, weights_only=True)['model'])")

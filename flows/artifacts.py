@@ -1,38 +1,100 @@
-"""What a training run shows in the Prefect UI: live progress, its checkpoints, a summary, a loss curve.
+"""What a training run shows in the Prefect UI, updated after every unit: progress with an ETA, a per-unit
+metrics table, the loss (and eval) curves, and at the end its checkpoints and a summary.
+
+Seen in Prefect 3.8.8's UI with headless Chromium (tests/integration/test_ui.py): a flow run's Artifacts tab
+shows one card per artifact *version* with its type, key and description (not its data); the artifact's
+page renders the data. Markdown artifacts render an inline ``data:image/svg+xml`` image (file:// and s3://
+links are refused), so the curves are an SVG inside a markdown artifact. Creating an artifact again under
+the same key adds a card to the run, so each artifact of a flow run is created once and then updated in
+place by id (Prefect's artifact PATCH, which also moves the key's "latest"). A crash-restart runs the same
+flow run again (``run_count`` + 1): the report first looks up this flow run's artifacts through the API and
+takes them over, so the progress card of the killed attempt is the one that moves on, and the metrics
+table keeps that attempt's rows.
 
 The checkpoints are the record; artifacts are only a report of them. So publishing one never fails
-training: an error here is logged as a warning and the run goes on. Everything is read from the
-store (manifests carry progress and each unit's training loss), so the report also covers units
-trained before a restart, by another process.
+training: an error here is logged as a warning and the run goes on.
 """
 
 from __future__ import annotations
 
-import html
+import json
 import logging
 import re
+import time
 from uuid import UUID
 
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+import httpx
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
 from prefect.runtime import flow_run
 
 from checkpointing import CheckpointInfo, CheckpointStore
+from flows import artifact_content as content
+from flows.artifact_content import cell, md_code, md_escape
+from flows.run_summary import summary_markdown
 from training.config import TrainConfig
 from training.loop import UnitResult
 
 LOSS_CURVE = "loss.svg"
-TABLE_ROWS = 100  # newest checkpoints in the table: verifying each one lists its folder in the store
+PAUSE_SECONDS = 60  # after a failed publish
+TABLE_ROWS = 100  # newest rows in each table: checkpoints verify one folder listing each; units grow without end
+KINDS = {
+    "progress": "progress",
+    "metrics": "table",
+    "curves": "markdown",
+    "checkpoints": "table",
+    "summary": "markdown",
+}
+_CREATE = {"progress": create_progress_artifact, "table": create_table_artifact, "markdown": create_markdown_artifact}
 
 
 def artifact_key(run_name: str, what: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     slug = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-") or "run"
     return f"train-{slug}-{what}"
+
+
+class Card:
+    """One artifact of this flow run: created once, then updated in place by id (one card in the UI)."""
+
+    def __init__(self, key: str, kind: str, artifact_id: UUID | None = None):
+        self.key, self.kind, self.id = key, kind, artifact_id
+
+    def publish(self, data, description: str) -> None:
+        if self.id is not None:
+            payload = json.dumps(data, allow_nan=False) if self.kind == "table" else data
+            try:
+                with get_client(sync_client=True) as client:
+                    client.update_artifact(self.id, ArtifactUpdate(data=payload, description=description))
+                return
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code != 404:
+                    raise
+                self.id = None  # deleted meanwhile (in the UI, say): a new card is better than none
+        self.id = _CREATE[self.kind](data, key=self.key, description=description)
+
+
+def existing_artifacts(keys: list[str]) -> dict[str, list]:
+    """This flow run's artifacts under ``keys``, newest first (an earlier attempt's, after a restart)."""
+    if flow_run.id is None:
+        return {}
+    found: dict[str, list] = {}
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run.id)]), key=ArtifactFilterKey(any_=keys)
+            ),
+            sort=ArtifactSort.CREATED_DESC,
+        )
+        for artifact in artifacts:
+            found.setdefault(artifact.key, []).append(artifact)
+        for versions in found.values():  # two attempts racing each created one: keep the newest card only
+            for stale in versions[1:]:
+                client.delete_artifact(stale.id)
+    return found
 
 
 class RunReport:
@@ -46,67 +108,127 @@ class RunReport:
         log: logging.Logger | logging.LoggerAdapter,
     ):
         self.config, self.store, self.log = config, store, log
-        self.checkpoint_seconds: dict[str, float | None] = {}
-        percent = percent_done(config, start.progress if start else {}, None)
-        self.progress_id: UUID | None = self._quietly(
-            "progress",
-            create_progress_artifact,
-            percent,
-            key=artifact_key(config.run_name, "progress"),
-            description=f"Training progress of {config.run_name} toward {config.max_duration}",
+        self.paused_until = 0.0
+        self.attempt = flow_run.run_count or 1
+        self.started_at = time.monotonic()
+        self.progress: dict[str, int] = dict(start.progress) if start else {}
+        self.start_samples = self.progress.get("samples_seen", 0)
+        self.num_train_samples: int | None = None
+        self.rows: dict[str, dict] = {}  # by checkpoint name: every unit of the run known so far
+        keys = {what: artifact_key(config.run_name, what) for what in KINDS}
+        found = self._quietly("looking up this flow run's artifacts", existing_artifacts, list(keys.values())) or {}
+        self.cards = {
+            what: Card(keys[what], kind, found[keys[what]][0].id if keys[what] in found else None)
+            for what, kind in KINDS.items()
+        }
+        self._quietly("reading earlier units from the store", self._load_history_from_store)
+        self._quietly(
+            "reading the killed attempt's table", self._load_history_from_table, found.get(keys["metrics"], [])
         )
+        self._publish_progress(note="starting" if self.attempt == 1 else "restarted")
 
     def unit_done(self, unit: UnitResult) -> None:
-        """Moves the progress bar and remembers how long the unit's checkpoint took to save."""
-        self.checkpoint_seconds[unit.checkpoint_name] = unit.metrics.get("checkpoint_seconds")
-        if self.progress_id is not None:
-            percent = percent_done(self.config, unit.progress, unit.num_train_samples)
-            self._quietly(
-                "progress",
-                update_progress_artifact,
-                self.progress_id,
-                percent,
-                description=f"unit {unit.unit} done: loss {unit.metrics.get('loss', float('nan')):.4f}, "
-                f"checkpoint {unit.checkpoint_name}",
-            )
+        """Moves the progress bar and adds the unit to the metrics table and the curves."""
+        self.progress = dict(unit.progress or {})
+        self.num_train_samples = getattr(unit, "num_train_samples", None) or self.num_train_samples
+        self.rows[unit.checkpoint_name] = content.unit_row(unit, self.attempt)
+        loss = (unit.metrics or {}).get("loss")
+        note = f"unit {unit.unit} done" + (f": loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+        self._publish_progress(note=note)
+        self._publish_units()
 
     def finish(self, units: list[UnitResult], metrics: dict[str, float], started_from: str) -> None:
-        """Publishes the checkpoint table, the loss curve and the summary."""
-        if self.progress_id is not None:
-            self._quietly(
-                "progress",
-                update_progress_artifact,
-                self.progress_id,
-                100.0,
-                description=f"{self.config.run_name} complete",
-            )
-        name = self.config.run_name
-        checkpoints = self._quietly("checkpoint list", self.store.list) or []
-        self._quietly(
-            "checkpoint table",
-            lambda: create_table_artifact(
-                self.checkpoint_rows(checkpoints),
-                key=artifact_key(name, "checkpoints"),
-                description=f"Checkpoints of {name} in {self.store.uri}",
-            ),
-        )
-        curve_uri = self._quietly("loss curve", self.write_loss_curve, checkpoints)
-        self._quietly(
+        """Completes the progress bar; publishes the checkpoint table, the curves (also to loss.svg) and the summary."""
+        done = self.progress.get("samples_seen", 0)
+        elapsed = content.duration_text(time.monotonic() - self.started_at)
+        text = f"complete · {content.progress_text(done, done, None, self.attempt)} · this attempt took {elapsed}"
+        self._publish("progress", 100.0, text)
+        checkpoints = self._quietly("listing checkpoints", self.store.list) or []
+        self._quietly("building the checkpoint table", self._publish_checkpoints, checkpoints)
+        self._publish_units()
+        series = content.curves(content.sorted_rows(self.rows))
+        curve_uri = self._quietly("writing loss.svg", self.write_loss_curve, series)
+        self._publish(
             "summary",
-            lambda: create_markdown_artifact(
-                summary_markdown(self.config, self.store, units, metrics, started_from, checkpoints, curve_uri),
-                key=artifact_key(name, "summary"),
-                description=f"Summary of {name}",
-            ),
+            summary_markdown(self.config, self.store, units, metrics, started_from, checkpoints, curve_uri, series),
+            f"Summary of {md_escape(self.config.run_name)}",
+        )
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _load_history_from_store(self) -> None:
+        """Units committed before this attempt, by this or an earlier flow run: their manifests' metrics."""
+        for info in self.store.list():
+            self.rows[info.name] = content.manifest_row(info, unit_of(info.progress, self.config))
+
+    def _load_history_from_table(self, metrics_versions: list) -> None:
+        """The rows this flow run's killed attempt published (they also have checkpoint seconds and resumed-from)."""
+        if metrics_versions:
+            for line in json.loads(metrics_versions[0].data or "[]"):
+                row = content.row_from_table(line)
+                self.rows[row["checkpoint"]] = row
+
+    def _publish_progress(self, note: str) -> None:
+        done = self.progress.get("samples_seen", 0)
+        total = content.total_samples(
+            self.config.duration, self.progress, self.num_train_samples, self.config.global_batch_size
+        )
+        elapsed = time.monotonic() - self.started_at
+        rate = (done - self.start_samples) / elapsed if done > self.start_samples and elapsed > 0 else None
+        if total:
+            percent = round(min(100.0, 100.0 * done / total), 2)
+        else:
+            percent = percent_done(self.config, self.progress, self.num_train_samples)
+        text = f"{note} · {content.progress_text(done, total, rate, self.attempt)}"
+        self._publish("progress", percent, text)
+
+    def _publish_units(self) -> None:
+        rows = content.sorted_rows(self.rows)
+        shown = rows[-TABLE_ROWS:]
+        cut = f"newest {len(shown)} of {len(rows)} units (TABLE_ROWS={TABLE_ROWS})" if len(rows) > len(shown) else ""
+        self._publish(
+            "metrics",
+            content.table(shown),
+            f"Per-unit metrics of {md_escape(self.config.run_name)}: {cut or f'all {len(rows)} units'}",
+        )
+        series = content.curves(rows)
+        if series:
+            self._publish("curves", *self._curves_markdown(series))
+
+    def _curves_markdown(self, series: dict) -> tuple[str, str]:
+        name = md_escape(self.config.run_name)
+        svg = content.curve_svg(series, f"{self.config.run_name}: per unit")
+        body = f"### Curves of {name}, one point per unit\n\n{content.svg_image(svg, 'curves')}\n\n"
+        body += content.curve_summary(series)
+        loss = [v for _, v in series.get(content.LOSS, [])]
+        description = (
+            f"training loss {content.sparkline(loss)} {loss[-1]:.4g} after {content.plural(len(loss), 'unit')}"
+            if loss
+            else f"curves of {name}"
+        )
+        return body, description
+
+    def _publish_checkpoints(self, checkpoints: list[CheckpointInfo]) -> None:
+        shown = checkpoints[-TABLE_ROWS:]
+        if len(shown) < len(checkpoints):
+            extent = (
+                f"newest {len(shown)} of {len(checkpoints)} (TABLE_ROWS={TABLE_ROWS}; "
+                f"{md_code(f'python -m checkpointing ls {self.store.uri}')} lists all)"
+            )
+        else:
+            extent = f"all {len(checkpoints)}"
+        self._publish(
+            "checkpoints",
+            self.checkpoint_rows(shown),
+            f"Checkpoints of {md_escape(self.config.run_name)} in {md_code(self.store.uri)}: {extent}",
         )
 
     def checkpoint_rows(self, checkpoints: list[CheckpointInfo]) -> list[dict]:
         rows = []
-        for info in checkpoints[-TABLE_ROWS:]:
-            seconds = self.checkpoint_seconds.get(info.name)
+        for info in checkpoints:
+            seconds = (self.rows.get(info.name) or {}).get("checkpoint_seconds")
             rows.append(
                 {
-                    "name": info.name,
+                    "name": cell(info.name),
                     "epoch": info.progress.get("epoch", 0),
                     "step": info.progress.get("step", 0),
                     "samples": info.progress.get("samples_seen", 0),
@@ -117,26 +239,53 @@ class RunReport:
             )
         return rows
 
-    def write_loss_curve(self, checkpoints: list[CheckpointInfo]) -> str | None:
-        """Writes ``<run>/loss.svg`` (training loss of each unit against the step) next to the checkpoints."""
-        points = [
-            (info.progress.get("step", 0), info.manifest.metadata.get("metrics", {}).get("loss"))
-            for info in checkpoints
-        ]
-        points = [(x, y) for x, y in points if isinstance(y, (int, float))]
-        if not points:
+    def write_loss_curve(self, series: dict) -> str | None:
+        """Writes ``<run>/loss.svg`` next to the checkpoints, for readers of the store outside the UI."""
+        if not series:
             return None
-        self.store.storage.put(LOSS_CURVE, loss_curve_svg(points, self.config.run_name).encode())
+        svg = content.curve_svg(series, f"{self.config.run_name}: per unit")
+        self.store.storage.put(LOSS_CURVE, svg.encode())
         return self.store.storage.uri(LOSS_CURVE)
+
+    def _publish(self, what: str, data, description: str) -> None:
+        """Creates or updates one card. After a failure the report stays quiet for PAUSE_SECONDS: each call to
+        an unreachable API costs ~1.5 s here, which training should not pay three times a unit."""
+        if time.monotonic() < self.paused_until:
+            return
+        try:
+            self.cards[what].publish(data, description)
+        except Exception as exc:
+            self.paused_until = time.monotonic() + PAUSE_SECONDS
+            self.log.warning(
+                "could not publish the %s artifact of %s: %s: %s; publishing none for %d s",
+                what,
+                self.config.run_name,
+                type(exc).__name__,
+                exc,
+                PAUSE_SECONDS,
+            )
 
     def _quietly(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
             self.log.warning(
-                "could not publish the %s artifact of %s: %s: %s", what, self.config.run_name, type(exc).__name__, exc
+                "run report of %s: %s failed (%s: %s); training goes on",
+                self.config.run_name,
+                what,
+                type(exc).__name__,
+                exc,
             )
             return None
+
+
+def unit_of(progress: dict[str, int], config: TrainConfig) -> int:
+    """The unit that ended at ``progress`` (a manifest does not record it)."""
+    interval = config.interval
+    if interval.unit == "ep":
+        epoch = progress.get("epoch", 0)
+        return (epoch - 1 if progress.get("sample_in_epoch", 0) == 0 and epoch else epoch) // interval.value
+    return max(progress.get("step", 0) - 1, 0) // interval.value
 
 
 def percent_done(config: TrainConfig, progress: dict[str, int], num_train_samples: int | None) -> float:
@@ -144,103 +293,10 @@ def percent_done(config: TrainConfig, progress: dict[str, int], num_train_sample
     duration = config.duration
     if duration.unit == "ba":
         done = progress.get("step", 0)
-    else:
+    elif duration.unit == "ep":
         done = progress.get("epoch", 0)
         if num_train_samples:
             done += progress.get("sample_in_epoch", 0) / num_train_samples
+    else:  # samples ("<n>sp")
+        done = progress.get("samples_seen", 0)
     return round(min(100.0, 100.0 * done / duration.value), 2)
-
-
-def batch_size_changes(checkpoints: list[CheckpointInfo]) -> list[str]:
-    """Each change of global batch size between consecutive checkpoints, as 'old -> new at <name>'."""
-    changes, previous = [], None
-    for info in checkpoints:
-        size = info.manifest.metadata.get("global_batch_size")
-        if previous is not None and size != previous:
-            changes.append(f"{previous} -> {size} at {info.name}")
-        previous = size
-    return changes
-
-
-def unit_retries(run_name: str) -> int | None:
-    """Retries of this flow run's units, summed over its task runs (None when the API cannot tell)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
-
-    run_id = flow_run.id
-    if run_id is None:
-        return None
-    with get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [UUID(run_id)]}))
-    return sum(max(t.run_count - 1, 0) for t in task_runs if t.name.startswith(f"{run_name}-unit-"))
-
-
-def summary_markdown(
-    config: TrainConfig,
-    store: CheckpointStore,
-    units: list[UnitResult],
-    metrics: dict[str, float],
-    started_from: str,
-    checkpoints: list[CheckpointInfo],
-    curve_uri: str | None,
-) -> str:
-    # "checkpoint <name>" is a resume from the store; "checkpoint <name> (in memory...)" reused this process's state.
-    resumed = [u for u in units if u.resumed_from.startswith("checkpoint ") and "(in memory" not in u.resumed_from]
-    try:
-        retries = unit_retries(config.run_name)
-    except Exception:
-        retries = None
-    changes = batch_size_changes(checkpoints)
-    lines = [
-        f"# Run `{config.run_name}`",
-        "",
-        f"- store: `{store.uri}`",
-        f"- recipe: `{config.recipe}`, max_duration {config.max_duration}, save_interval {config.save_interval}, "
-        f"global_batch_size {config.global_batch_size}",
-        f"- this flow run started from: {started_from}; flow-run restarts so far: {(flow_run.run_count or 1) - 1}",
-        f"- units trained in this flow run: {len(units)}; resumed from a stored checkpoint: {len(resumed)}",
-        f"- unit retries: {'unknown' if retries is None else retries}",
-        f"- global batch size changes: {'; '.join(changes) if changes else 'none'}",
-        f"- checkpoints: {len(checkpoints)}; last: `{checkpoints[-1].uri if checkpoints else '-'}`",
-        "",
-        "| metric | value |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {name} | {value:.4f} |" for name, value in metrics.items()] or ["| (no eval split) | |"]
-    if curve_uri:
-        link = f"file://{curve_uri}" if curve_uri.startswith("/") else curve_uri
-        lines += ["", f"Training loss per unit: [{LOSS_CURVE}]({link})"]
-    return "\n".join(lines)
-
-
-def loss_curve_svg(points: list[tuple[int, float]], title: str, width: int = 480, height: int = 260) -> str:
-    """A line chart of (step, loss) as a standalone SVG (no plotting library needed)."""
-    left, right, top, bottom = 56, 16, 28, 36
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1e-9
-
-    def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * (width - left - right)
-
-    def sy(y: float) -> float:
-        return top + (y1 - y) / (y1 - y0) * (height - top - bottom)
-
-    path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
-    dots = "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5"/>' for x, y in points)
-    axis_y = height - bottom
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif" font-size="11">'
-        f'<rect width="100%" height="100%" fill="white"/>'
-        f'<text x="{left}" y="16" font-size="13">training loss per unit: {html.escape(title)}</text>'
-        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{axis_y}" stroke="black"/>'
-        f'<line x1="{left}" y1="{axis_y}" x2="{width - right}" y2="{axis_y}" stroke="black"/>'
-        f'<text x="{left - 4}" y="{top + 4}" text-anchor="end">{y1:.3g}</text>'
-        f'<text x="{left - 4}" y="{axis_y}" text-anchor="end">{y0:.3g}</text>'
-        f'<text x="{left}" y="{axis_y + 14}" text-anchor="middle">{x0}</text>'
-        f'<text x="{width - right}" y="{axis_y + 14}" text-anchor="middle">{x1}</text>'
-        f'<text x="{(left + width - right) / 2}" y="{height - 6}" text-anchor="middle">step</text>'
-        f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{path}"/>'
-        f'<g fill="#1f77b4">{dots}</g></svg>'
-    )

@@ -104,3 +104,26 @@ def test_on_s3_the_storage_options_are_used_and_never_printed(s3, tmp_path):
     assert len(missing.stderr.splitlines()) == 1 and "Traceback" not in missing.stderr
     for out in (listed, exported, missing):
         assert secret not in out.stdout + out.stderr
+
+
+def imported_modules(*args: str) -> set[str]:
+    """Top-level packages a ``python -m checkpointing`` command imported (its ``-X importtime`` record)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "checkpointing", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = [line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert "checkpointing.store" in names  # the record is really there
+    return {name.split(".")[0] for name in names}
+
+
+@pytest.mark.parametrize("command", ["ls", "verify"])
+def test_ls_and_verify_import_neither_torch_nor_prefect(run, command):
+    # torch costs ~1.4 s and Prefect more here; listing and verifying read JSON manifests and hash bytes
+    packages = imported_modules(command, run.uri)
+    assert "fsspec" in packages
+    assert not packages & {"torch", "prefect", "numpy", "flows", "tasks", "training"}
