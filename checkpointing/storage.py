@@ -27,6 +27,8 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from checkpointing.protocols import with_endpoint_alias
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -172,7 +174,7 @@ class Storage:
             url = os.path.abspath(url)
         self.url = url.rstrip("/")
         self.retry = retry or RetrySettings()
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **with_endpoint_alias(self.url, storage_options))
         self.root = self.root.rstrip("/")
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.is_local = self.protocol in ("file", "local")
