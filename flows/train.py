@@ -15,7 +15,8 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import SettingsError
 
-from checkpointing import CheckpointError, NotACheckpointError, open_checkpoint_uri
+from checkpointing import CheckpointError
+from checkpointing.export import export_checkpoint
 from flows.artifacts import RunReport
 from tasks import evaluate, unit_task
 from training.config import ConfigError, TrainConfig, describe_error, load_config
@@ -23,6 +24,7 @@ from training.loop import UnitResult
 from training.progress import Progress, is_complete, rescaled, unit_index
 from training.recipe import load_recipe
 from training.session import open_store
+from training.warm_start import check_load_path
 
 __all__ = ["RestartLimitError", "TrainConfig", "TrainResult", "check_restart_cap", "main", "train"]
 
@@ -102,6 +104,8 @@ def train(config: TrainConfig) -> TrainResult:
         final_uri,
         ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
     )
+    if config.export_on_complete:
+        log.info(export_checkpoint(final_uri, config.export_on_complete, storage_options=config.storage_options))
     return TrainResult(
         run_name=config.run_name,
         checkpoint=final_uri,
@@ -127,10 +131,7 @@ def check_restart_cap(max_restarts: int) -> None:
 
 
 def _check_load_path(config: TrainConfig) -> None:
-    try:
-        open_checkpoint_uri(config.load_path, storage_options=config.storage_options, files=[])
-    except NotACheckpointError as exc:
-        raise ConfigError(str(exc)) from exc
+    check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

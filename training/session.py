@@ -26,6 +26,7 @@ from training import rng
 from training.config import ConfigError, TrainConfig
 from training.progress import Progress, rescaled
 from training.recipe import Recipe, load_recipe
+from training.warm_start import load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,9 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, st
         _reposition(config, session, applies_skip=loaded.info.name == start_checkpoint, log=log)
         return f"checkpoint {loaded.info.name}"
     if config.load_path:
+        origin = load_weights(config, session.model, log)  # a weights file, or a folder's weights only
+        if origin is not None:
+            return origin
         loaded = open_checkpoint_uri(
             config.load_path,
             storage_options=config.storage_options,
