@@ -24,7 +24,7 @@ from training.loop import UnitResult
 from training.progress import Progress, is_complete, rescaled, unit_index
 from training.recipe import load_recipe
 from training.session import open_store
-from training.warm_start import check_load_path
+from training.warm_start import check_before_start, check_load_path
 
 __all__ = ["RestartLimitError", "TrainConfig", "TrainResult", "check_restart_cap", "main", "train"]
 
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         load_recipe(config)  # fail on a bad recipe before a Prefect server is even started
+        check_before_start(config)  # ... and on a bad load_path (the flow does not read it twice)
         result = train(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

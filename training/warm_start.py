@@ -9,12 +9,13 @@ claims or writes anything; the unit then calls ``load_weights`` and reads the we
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 import torch
 
-from checkpointing import NotACheckpointError, UnsafeCheckpointError, open_checkpoint_uri
+from checkpointing import CheckpointStore, NotACheckpointError, UnsafeCheckpointError, open_checkpoint_uri
 from checkpointing.store import STATE_FILE
 from checkpointing.weights import Weights, WeightsError, check_match, is_weights_file, load_into, match, read_weights
 from training.config import ConfigError, TrainConfig
@@ -48,9 +49,25 @@ def load_weights(config: TrainConfig, model: torch.nn.Module, log: Any = logger)
     return origin
 
 
+def check_before_start(config: TrainConfig) -> None:
+    """``check_load_path`` for ``python -m flows.train`` before Prefect starts, so that a bad load_path is one
+    line, not a failed flow run's traceback and then the line. Only when the run has no checkpoint yet: a
+    run that resumes ignores load_path (its file may be long gone)."""
+    if (
+        config.load_path
+        and CheckpointStore(config.save_folder, config.run_name, storage_options=config.storage_options).latest()
+        is None
+    ):
+        check_load_path(config)
+
+
 def check_load_path(config: TrainConfig) -> None:
     """Everything about ``load_path`` that can fail, checked before the run writes anything: the URI names
-    a checkpoint or a readable, safe weights file, and its weights fit the recipe's model."""
+    a checkpoint or a readable, safe weights file, and its weights fit the recipe's model. A config that
+    passed once in this process is not read again (the unit still checks what it loads)."""
+    key = _check_key(config)
+    if key in _passed:
+        return
     try:
         found = _read(config)
         if found is None:
@@ -65,6 +82,15 @@ def check_load_path(config: TrainConfig) -> None:
         check_match(report, _where(config), config.load_strict)
     except (WeightsError, NotACheckpointError, UnsafeCheckpointError) as exc:
         raise ConfigError(str(exc)) from exc
+    _passed.add(key)
+
+
+_passed: set[str] = set()
+
+
+def _check_key(config: TrainConfig) -> str:
+    fields = ("load_path", "load_weights_only", "load_strict", "load_ignore_keys", "recipe", "recipe_args")
+    return json.dumps([getattr(config, f) for f in fields], sort_keys=True, default=str)
 
 
 def _read(config: TrainConfig) -> tuple[Weights, str] | None:
