@@ -62,6 +62,7 @@ class LoadReport:
     mismatched: list[str]  # in both, with another shape
     stripped_prefix: str = ""
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    model_keys: int = 0
 
     @property
     def ok(self) -> bool:
@@ -70,9 +71,10 @@ class LoadReport:
     def summary(self) -> str:
         skipped = len(self.ignored) + len(self.unexpected) + len(self.mismatched)
         return (
-            f"loaded {len(self.loaded)} keys; skipped {skipped} from the file ({len(self.ignored)} by "
-            f"load_ignore_keys, {len(self.unexpected)} not in the model, {len(self.mismatched)} of another "
-            f"shape); {len(self.missing)} model keys missing from the file keep their initialization"
+            f"loaded {len(self.loaded)} of the model's {self.model_keys} keys; skipped {skipped} keys of the file "
+            f"({len(self.ignored)} by load_ignore_keys, {len(self.unexpected)} not in the model, "
+            f"{len(self.mismatched)} of another shape); {self.model_keys - len(self.loaded)} model keys keep their "
+            f"initialization ({len(self.missing)} of them missing from the file)"
         )
 
 
@@ -146,6 +148,7 @@ def match(
         mismatched=mismatched,
         stripped_prefix=stripped,
         shapes={k: shapes[k] for k in mismatched},
+        model_keys=len(model_shapes),
     )
     return loadable, report
 

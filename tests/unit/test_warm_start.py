@@ -85,6 +85,7 @@ def test_non_strict_load_logs_how_many_keys_were_skipped_and_missing(weights_fil
         )
     assert caplog.messages == [
         "load_path is a weights file: weights only; optimizer, scheduler and progress start fresh",
-        "load_path: loaded 2 keys; skipped 2 from the file (0 by load_ignore_keys, 0 not in the model, 2 of another "
-        "shape); 0 model keys missing from the file keep their initialization (a safetensors file)",
+        "load_path: loaded 2 of the model's 4 keys; skipped 2 keys of the file (0 by load_ignore_keys, 0 not in "
+        "the model, 2 of another shape); 2 model keys keep their initialization (0 of them missing from the file) "
+        "(a safetensors file)",
     ]

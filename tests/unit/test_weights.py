@@ -203,8 +203,8 @@ def test_non_strict_loads_what_matches_and_leaves_the_rest_initialized(source):
     assert torch.equal(after["0.weight"], source["0.weight"]) and torch.equal(after["0.bias"], source["0.bias"])
     assert torch.equal(after["3.weight"], before["3.weight"])  # reshaped head keeps its fresh init
     assert report.summary() == (
-        "loaded 2 keys; skipped 2 from the file (0 by load_ignore_keys, 0 not in the model, 2 of another shape); "
-        "0 model keys missing from the file keep their initialization"
+        "loaded 2 of the model's 4 keys; skipped 2 keys of the file (0 by load_ignore_keys, 0 not in the model, "
+        "2 of another shape); 2 model keys keep their initialization (0 of them missing from the file)"
     )
 
 
