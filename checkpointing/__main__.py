@@ -3,7 +3,8 @@
     python -m checkpointing ls runs/exp1                    # table of a run's checkpoints
     python -m checkpointing verify runs/exp1                # sha256 of every file; exit 1 if any is bad
     python -m checkpointing verify runs/exp1 --name ep3-ba24-sa768   # one checkpoint
-    python -m checkpointing export runs/exp1 model.pt       # weights only, for inference
+    python -m checkpointing export runs/exp1 model.pt       # weights + recipe, recipe_args, version
+    python -m checkpointing export runs/exp1 model.safetensors     # the same as safetensors
 
 A URI is a run folder (<save_folder>/<run_name>) or, for verify and export, one checkpoint folder
 (<save_folder>/<run_name>/checkpoints/<name>). --storage-options takes fsspec options as JSON (for
@@ -14,30 +15,17 @@ printed.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 
+from checkpointing.protocols import check_store_url
 from checkpointing.storage import StorageError
-from checkpointing.store import (
-    CHECKPOINTS,
-    STATE_FILE,
-    CheckpointError,
-    CheckpointStore,
-    open_checkpoint_uri,
-    validate_name,
-)
+from checkpointing.store import CheckpointError, CheckpointStore, split_run_uri, validate_name
 
 
 def _run_store(uri: str, options: dict) -> tuple[CheckpointStore, str | None]:
     """The store of a run URI, and the checkpoint name if the URI names one."""
-    uri = uri.rstrip("/")
-    name = None
-    if f"/{CHECKPOINTS}/" in uri:
-        uri, name = uri.rsplit(f"/{CHECKPOINTS}/", 1)
-    if "/" not in uri:
-        raise CheckpointError(f"{uri!r}: give <save_folder>/<run_name>, e.g. runs/exp1 or s3://bucket/runs/exp1")
-    folder, run = uri.rsplit("/", 1)
+    folder, run, name = split_run_uri(check_store_url(uri, "uri"))
     return CheckpointStore(folder, run, storage_options=options), name
 
 
@@ -82,24 +70,11 @@ def cmd_verify(args, options) -> int:
 
 
 def cmd_export(args, options) -> int:
-    import fsspec
-    import torch  # only export needs it: ls and verify read JSON manifests and hash bytes
+    check_store_url(args.uri, "uri")
+    check_store_url(args.out, "out")
+    from checkpointing.export import export_checkpoint  # torch and safetensors: only export needs them
 
-    loaded = open_checkpoint_uri(args.uri, storage_options=options, files=[STATE_FILE], option="uri")
-    state = loaded.objects[STATE_FILE]
-    out = {
-        "model": state["state"]["model"],
-        "metadata": {
-            "checkpoint": loaded.info.uri,
-            "progress": dict(loaded.info.progress),
-            "recipe": str(loaded.info.manifest.metadata.get("recipe", "")),
-        },
-    }
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    with fsspec.open(args.out, "wb", **options) as f:
-        f.write(buf.getvalue())
-    print(f"exported the weights of {loaded.info.uri} to {args.out} (torch.load(f, weights_only=True)['model'])")
+    print(export_checkpoint(args.uri, args.out, storage_options=options, fmt=args.format))
     return 0
 
 
@@ -121,9 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", parents=[options], help="check every file's sha256; exit 1 if any is bad")
     verify.add_argument("uri")
     verify.add_argument("--name", help="verify only this checkpoint of the run")
-    export = sub.add_parser("export", parents=[options], help="write a weights-only file for inference")
+    export = sub.add_parser(
+        "export", parents=[options], help="write the weights, with the recipe and recipe_args that rebuild the model"
+    )
     export.add_argument("uri")
     export.add_argument("out")
+    export.add_argument(
+        "--format",
+        choices=("torch", "safetensors"),  # checkpointing.export.FORMATS, without importing torch for ls
+        help="torch (default) or safetensors (the default for a .safetensors name); the recipe, recipe_args and "
+        "product version go beside the weights",
+    )
     return parser
 
 

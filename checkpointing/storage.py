@@ -28,6 +28,7 @@ from tenacity import (
 )
 
 from checkpointing.localfs import LocalFiles
+from checkpointing.protocols import with_endpoint_alias
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,31 +96,6 @@ _NETWORK_ERRORS = {
     "IncompleteReadError",
     "ResponseStreamingError",
 }
-
-
-# Stores a run may live in. Anything else (http://, ssh://, chained 'a::b' URLs, ...) is refused: a run's
-# parameters must not make the worker open arbitrary endpoints.
-SUPPORTED_PROTOCOLS = ("file", "memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
-
-
-def validate_url(value: str, option: str = "save_folder") -> str:
-    """A local path or a URL of a supported store: non-empty, printable, no chaining, a known protocol."""
-    text = str(value).strip()
-    if not text:
-        raise ValueError(
-            f"{option}={value!r}: empty; use a local folder such as 'runs' or a URL such as 's3://bucket/runs'"
-        )
-    if len(text) > 1024 or any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise ValueError(f"{option}={value[:80]!r}: use a printable path or URL under 1024 characters")
-    if "::" in text:
-        raise ValueError(f"{option}={value!r}: chained fsspec URLs ('a::b') are not supported; give one store's URL")
-    protocol = text.split("://", 1)[0].lower() if "://" in text else "file"
-    if protocol not in SUPPORTED_PROTOCOLS:
-        raise ValueError(
-            f"{option}={value!r}: protocol {protocol!r} is not supported; use a local path, file://, s3://, "
-            f"gs://, az:// or memory://"
-        )
-    return text
 
 
 class StorageError(RuntimeError):
@@ -220,7 +196,7 @@ class Storage:
         self.url = url.rstrip("/")
         self.retry = retry or RetrySettings()
         protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
-        options = _with_single_retry_layer(protocol, dict(storage_options or {}), self.retry)
+        options = _with_single_retry_layer(protocol, with_endpoint_alias(self.url, storage_options), self.retry)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         self.root = self.root.rstrip("/")
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]

@@ -21,6 +21,7 @@ from flows.server import prefect_api
 from training.config import ConfigError, TrainConfig, describe_error, load_config
 from training.preflight import preflight
 from training.recipe import allow_recipe
+from training.warm_start import check_before_start
 
 VERBOSE_FLAGS = ("--verbose", "-v")
 
@@ -34,6 +35,7 @@ def run(flow: Callable[[TrainConfig], Any], argv: list[str], done: Callable[[Any
         if ":" in config.recipe:
             allow_recipe(config.recipe)
         preflight(config)  # a bad recipe or recipe_args fails before a Prefect server is even started
+        check_before_start(config)  # ... and so does a load_path that does not fit the model
     except ValidationError as exc:
         lines = describe_error(exc)
         return _fail(lines if "\n" not in lines else f"invalid configuration:\n{lines}", 2)

@@ -15,7 +15,8 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from checkpointing import CheckpointInfo, CheckpointStore, NotACheckpointError, open_checkpoint_uri
+from checkpointing import CheckpointInfo, CheckpointStore
+from checkpointing.export import export_checkpoint
 from flows import cli
 from flows.artifacts import RunReport
 from tasks import evaluate, unit_task
@@ -26,6 +27,7 @@ from training.preflight import preflight
 from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
 from training.recipe import allow_recipe
 from training.session import open_store
+from training.warm_start import check_load_path
 
 __all__ = ["RestartLimitError", "TrainConfig", "TrainResult", "allow_recipe", "check_restart_cap", "main", "train"]
 
@@ -100,6 +102,8 @@ def train(config: TrainConfig) -> TrainResult:
     log.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
              config.run_name, progress.epoch, progress.step, progress.samples_seen, len(units), final_uri,
              ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))  # fmt: skip
+    if config.export_on_complete:
+        log.info(export_checkpoint(final_uri, config.export_on_complete, storage_options=config.storage_options))
     return TrainResult(
         run_name=config.run_name,
         checkpoint=final_uri,
@@ -194,10 +198,7 @@ def check_restart_cap(max_restarts: int) -> None:
 
 
 def _check_load_path(config: TrainConfig) -> None:
-    try:
-        open_checkpoint_uri(config.load_path, storage_options=config.storage_options, files=[])
-    except NotACheckpointError as exc:
-        raise ConfigError(str(exc)) from exc
+    check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
 
 
 def done_line(result: TrainResult) -> str:

@@ -26,8 +26,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from checkpointing.storage import validate_url
+from checkpointing.protocols import check_store_url
 from checkpointing.store import validate_name
+from training.config_file import nested_sections_problem
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ep|ba|sp)\s*$")
 MAX_COUNT = 10**12  # epochs, batches or samples: far past any real run, far below int64 overflow
@@ -70,6 +71,15 @@ def _duration(option: str):
     return AfterValidator(lambda v: str(Duration.parse(v, option)))
 
 
+def _export_uri(value: str | None) -> str | None:
+    """export_on_complete is a flow-run parameter that names a file to write: keep it to a weights file."""
+    if value is None:
+        return None
+    if not value.lower().endswith((".pt", ".pth", ".safetensors")):
+        raise ValueError(f"export_on_complete={value!r}: name a .pt, .pth or .safetensors file, e.g. s3://b/model.pt")
+    return check_store_url(value, "export_on_complete")
+
+
 def _recipe_path(value: str) -> str:
     """A registered recipe name ('digits') or an import path ('package.module:ClassName'); whether this
     process may load it is decided later, against the worker's allow-list (training.recipe)."""
@@ -85,7 +95,7 @@ def _recipe_path(value: str) -> str:
 
 
 def _url(option: str):
-    return AfterValidator(lambda v: v if v is None else validate_url(v, option))
+    return AfterValidator(lambda v: v if v is None else check_store_url(v, option))
 
 
 def _finite(option: str, low: float, high: float):
@@ -132,7 +142,8 @@ class TrainConfig(BaseSettings):
     )
     save_folder: Annotated[str, _url("save_folder")] = Field(
         "runs",
-        description="Where runs are stored: a local path, file://, s3://, gs://, az:// or memory:// (fsspec).",
+        description="Where runs are stored: a local path or any fsspec URL (file://, s3://, memory://; gs:// and "
+        "az:// with the gcs / azure extras).",
     )
     recipe: Annotated[str, AfterValidator(_recipe_path)] = Field(
         "recipes.digits:DigitsRecipe",
@@ -159,10 +170,24 @@ class TrainConfig(BaseSettings):
         "checkpoints is refused rather than overwritten.",
     )
     load_path: Annotated[str | None, _url("load_path")] = Field(
-        None, description="Checkpoint (folder URI) or run (folder URI) to start from when the run has none yet."
+        None,
+        description="Where to start when the run has no checkpoint yet: a checkpoint or run folder URI, or a weights "
+        "file URI (a state_dict, an export, a Composer or Lightning checkpoint, .safetensors).",
     )
     load_weights_only: bool = Field(
-        False, description="With load_path: take only the model weights (fine-tuning), not optimizer or progress."
+        False,
+        description="With load_path: take only the model weights (fine-tuning), not optimizer or progress. "
+        "Implied when load_path is a weights file.",
+    )
+    load_strict: bool = Field(
+        True,
+        description="With load_path: the weights must match the model key for key and shape for shape; false "
+        "loads the keys that match and logs how many were skipped or missing.",
+    )
+    load_ignore_keys: list[str] = Field(
+        default_factory=list,
+        description="With load_path: glob patterns (fnmatch) of weight keys to leave out, e.g. '[\"fc.*\"]'; "
+        "model keys they match keep their fresh initialization.",
     )
     ignore_data_skip: bool = Field(
         False, description="On resume, restart the current epoch's data from its first sample."
@@ -237,6 +262,11 @@ class TrainConfig(BaseSettings):
         description="Fault injection for demos and tests: the first attempt of the unit that reaches "
         "this global step raises right after the step. Off by default.",
     )
+    export_on_complete: Annotated[str | None, AfterValidator(_export_uri)] = Field(
+        None,
+        description="When the run completes, write its final weights with recipe, recipe_args and product version "
+        "to this file URI (.pt/.pth: torch.save; .safetensors).",
+    )
     config_file: str | None = Field(
         None, description="YAML or TOML file with any of these fields (flags and TRAIN_* variables override it)."
     )
@@ -271,6 +301,8 @@ class TrainConfig(BaseSettings):
             )
         if self.load_weights_only and not self.load_path:
             raise ValueError("load_weights_only=True needs load_path: set load_path to a checkpoint or run URI")
+        if (self.load_ignore_keys or not self.load_strict) and not self.load_path:
+            raise ValueError("load_strict and load_ignore_keys apply to load_path: set load_path, or leave them out")
         return self
 
     @classmethod
@@ -306,6 +338,8 @@ class TrainConfig(BaseSettings):
 def _file_source(settings_cls: type[BaseSettings], path: str) -> PydanticBaseSettingsSource:
     if not os.path.isfile(path):
         raise ConfigError(f"config_file={path!r}: no such file")
+    if problem := nested_sections_problem(path, settings_cls.model_fields):
+        raise ConfigError(problem)
     if path.endswith(".toml"):
         return TomlConfigSettingsSource(settings_cls, toml_file=path)
     if path.endswith((".yaml", ".yml")):

@@ -24,6 +24,7 @@ from training.config import ConfigError, TrainConfig
 from training.identity import check_same_run, run_identity
 from training.progress import Progress, rescaled
 from training.recipe import Recipe, load_recipe
+from training.warm_start import load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -118,19 +119,15 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, lo
         reposition(config, session, log)
         return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
     if config.load_path:
-        loaded = open_checkpoint_uri(
-            config.load_path,
-            storage_options=config.storage_options,
-            files=[STATE_FILE] if config.load_weights_only else files,
-        )
-        _apply(session, loaded, weights_only=config.load_weights_only, log=log)
-        if not config.load_weights_only:
-            session.data_skip_applied = None  # another run's record: this run has applied nothing yet
-            reposition(config, session, log)
-        else:
-            session.data_skip_applied = requested_data_skip(config)
-        what = "weights" if config.load_weights_only else "state"
-        return Origin("load_path", None, f"{what} of {loaded.info.uri} (load_path)")
+        weights_from = load_weights(config, session.model, log)  # a weights file, or a folder's weights only
+        if weights_from is not None:
+            session.data_skip_applied = requested_data_skip(config)  # a new run: nothing to skip
+            return Origin("load_path", None, weights_from)
+        loaded = open_checkpoint_uri(config.load_path, storage_options=config.storage_options, files=files)
+        _apply(session, loaded, weights_only=False, log=log)
+        session.data_skip_applied = None  # another run's record: this run has applied nothing yet
+        reposition(config, session, log)
+        return Origin("load_path", None, f"state of {loaded.info.uri} (load_path)")
     if session.world.size > 1:
         rng.seed_all(config.seed + session.world.rank)  # same initial weights everywhere, own RNG streams after
     session.data_skip_applied = requested_data_skip(config)  # nothing to skip at the start of a run

@@ -179,7 +179,7 @@ def test_an_unreachable_prefect_api_costs_warnings_never_the_run(tmp_path, caplo
             origin="fresh",
             steps=8,
             **vars(unit(n, 1.0)),
-        )  # fmt: skip
+        )
         for n in range(2)
     ]
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}):

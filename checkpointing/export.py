@@ -1,0 +1,136 @@
+"""Exports: one checkpoint's weights in one file, with what rebuilds the model written beside them.
+
+An export is for use outside this product (inference, another trainer, a warm start elsewhere), so it
+carries the recipe's import path, its ``recipe_args`` and the product version: ``recipe(**recipe_args)
+.build_model()`` plus the file gives the model back with no other knowledge. Two formats:
+
+- ``torch``: ``torch.save({"model": state_dict, "metadata": {...}})``, read back with
+  ``torch.load(f, weights_only=True)["model"]``;
+- ``safetensors``: the tensors, with the metadata as strings in the file's header (JSON for
+  ``recipe_args`` and ``progress``) — a format with no code in it at all.
+
+The CLI (``python -m checkpointing export``) and the flow's ``export_on_complete`` both call
+``export_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import tempfile
+from typing import Any
+
+import fsspec
+import safetensors.torch
+import torch
+
+from checkpointing.protocols import with_endpoint_alias
+from checkpointing.storage import Storage
+from checkpointing.store import STATE_FILE, CheckpointInfo, open_checkpoint_uri
+from checkpointing.weights import WeightsError
+
+FORMATS = ("torch", "safetensors")
+PACKAGE = "resumable-train"
+
+
+def export_checkpoint(
+    checkpoint_uri: str,
+    out_uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    fmt: str | None = None,
+) -> str:
+    """Writes the weights of a checkpoint (or of a run's latest good one) to ``out_uri``; returns a line
+    saying what was written. ``fmt`` defaults to safetensors for a ``.safetensors`` name, else torch."""
+    fmt = fmt or ("safetensors" if str(out_uri).endswith(".safetensors") else "torch")
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r}: use one of {', '.join(FORMATS)}")
+    loaded = open_checkpoint_uri(checkpoint_uri, storage_options=storage_options, files=[STATE_FILE], option="uri")
+    weights = loaded.objects[STATE_FILE]["state"]["model"]
+    metadata = export_metadata(loaded.info)
+    if fmt == "safetensors":
+        data = safetensors.torch.save(_own_storage(weights, out_uri), metadata=_as_strings(metadata))
+        how = "safetensors.torch.load_file(f)"
+    else:
+        buf = io.BytesIO()
+        torch.save({"model": weights, "metadata": metadata}, buf)
+        data, how = buf.getvalue(), "torch.load(f, weights_only=True)['model']"
+    write_file(out_uri, data, storage_options)
+    return (
+        f"exported the weights of {loaded.info.uri} to {out_uri} ({how}); recipe {metadata['recipe']!r}, "
+        f"recipe_args {metadata['recipe_args']!r}, {PACKAGE} {metadata['product_version']}"
+    )
+
+
+def export_metadata(info: CheckpointInfo) -> dict[str, Any]:
+    """What rebuilds the model: recipe and recipe_args from the manifest, plus where the weights came from."""
+    saved = info.manifest.metadata
+    config = saved.get("config")
+    recipe_args = config.get("recipe_args") if isinstance(config, dict) else None
+    if recipe_args is None:
+        recipe_args = saved.get("recipe_args")
+    return {
+        "recipe": str(saved.get("recipe", "")),
+        "recipe_args": recipe_args,
+        "product_version": product_version(),
+        "checkpoint": info.uri,
+        "progress": dict(info.progress),
+    }
+
+
+def product_version() -> str:
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def write_file(uri: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
+    """Writes a whole file. Locally through a temporary file and a rename: a reader never sees half a file,
+    and an existing symlink or FIFO at the name is replaced, never written through. Object stores put the
+    object whole (retried like every store call)."""
+    fs, path = fsspec.core.url_to_fs(uri, **with_endpoint_alias(uri, storage_options))
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    if not {"file", "local"} & set(protocols):
+        Storage(uri, storage_options).put("", data)
+        return
+    if os.path.isdir(path):
+        raise WeightsError(f"{uri!r} is a folder; name the file to write, e.g. {uri.rstrip('/')}/model.pt")
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".export-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _as_strings(metadata: dict[str, Any]) -> dict[str, str]:
+    """safetensors' header holds strings only: structured values as JSON."""
+    return {k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
+
+
+def _own_storage(state_dict: dict[str, Any], out_uri: str) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied weights) or views: give those their own copy."""
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise WeightsError(
+                f"{out_uri!r}: {key!r} is not a tensor; safetensors holds tensors only: use --format torch"
+            )
+        storage = value.untyped_storage()
+        whole = value.is_contiguous() and storage.nbytes() == value.numel() * value.element_size()
+        tensors[key] = (
+            value
+            if whole and storage.data_ptr() not in seen
+            else value.detach().clone(memory_format=torch.contiguous_format)
+        )
+        seen.add(storage.data_ptr())
+    return tensors

@@ -1,0 +1,364 @@
+"""Weights files that are not checkpoint folders: read without running code, matched to a model by name.
+
+``load_path`` may name one file on any fsspec store holding a plain ``state_dict``, this product's export
+(``{"model": ..., "metadata": ...}``), a Composer checkpoint (``{"state": {"model": ...}}``), a Lightning
+checkpoint (``{"state_dict": ...}``) or a ``.safetensors`` file. It comes from a flow-run parameter, so it
+is untrusted: pickles are read with ``torch.load(weights_only=True)`` (safetensors holds no code at all),
+a local path must be a regular file (a FIFO would block the worker, ``/dev/zero`` never ends), and the
+size is checked against what the worker can hold before a byte is read.
+
+Two verbs: ``read_weights(uri) -> Weights`` and ``load_into(model, state_dict, ...) -> LoadReport``;
+``match`` is the pure key/shape comparison both the loader and the flow's up-front check use.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import json
+import os
+import pickle
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import safetensors
+import safetensors.torch
+import torch
+
+from checkpointing.manifest import MANIFEST
+from checkpointing.protocols import with_endpoint_alias
+from checkpointing.store import CheckpointError, UnsafeCheckpointError
+
+WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+# Prefixes that wrappers add to every key: DDP ("module."), torch.compile ("_orig_mod."), and the
+# attribute a LightningModule or a wrapper most often keeps its network in ("model.").
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
+_COMPOSER_PATH = "state/model/"
+_EXAMPLES = 3
+
+
+class WeightsError(CheckpointError, ValueError):
+    """A weights file that cannot be used as given: missing, not a regular file, unknown layout, mismatch."""
+
+
+@dataclass
+class Weights:
+    state_dict: dict[str, torch.Tensor]
+    description: str  # what the file was, e.g. "a Composer checkpoint (['state']['model'])"
+    metadata: dict[str, Any] = field(default_factory=dict)  # an export's recipe, recipe_args, version
+
+
+@dataclass
+class LoadReport:
+    """What ``match`` found: keys loaded, left out by load_ignore_keys, and the mismatches."""
+
+    loaded: list[str]
+    ignored: list[str]
+    missing: list[str]  # in the model, not in the file: they keep the model's fresh initialization
+    unexpected: list[str]  # in the file, not in the model
+    mismatched: list[str]  # in both, with another shape
+    stripped_prefix: str = ""
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    model_keys: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def summary(self) -> str:
+        skipped = len(self.ignored) + len(self.unexpected) + len(self.mismatched)
+        return (
+            f"loaded {len(self.loaded)} of the model's {self.model_keys} keys; skipped {skipped} keys of the file "
+            f"({len(self.ignored)} by load_ignore_keys, {len(self.unexpected)} not in the model, "
+            f"{len(self.mismatched)} of another shape); {self.model_keys - len(self.loaded)} model keys keep their "
+            f"initialization ({len(self.missing)} of them missing from the file)"
+        )
+
+
+def is_weights_file(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """True when ``uri`` names a file (or a missing path that looks like one), not a checkpoint or run folder.
+
+    Anything local that exists and is not a directory counts, FIFOs and devices included, so that
+    ``read_weights`` refuses them by name instead of the folder reader calling them "no checkpoint"."""
+    uri = str(uri).rstrip("/")
+    if uri.endswith(f"/{MANIFEST}"):
+        return False
+    fs, path = fsspec.core.url_to_fs(uri, **with_endpoint_alias(uri, storage_options))
+    if _is_local(fs):
+        if os.path.lexists(path):
+            return not os.path.isdir(path)
+    elif fs.isfile(path):
+        return True
+    return uri.lower().endswith(WEIGHTS_SUFFIXES) and not fs.exists(path)
+
+
+def read_weights(
+    uri: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    option: str = "load_path",
+    max_bytes: int | None = None,
+) -> Weights:
+    """Reads a weights file and returns its state_dict. Raises WeightsError (or UnsafeCheckpointError for a
+    pickle that needs code) with one line naming ``option`` and ``uri``."""
+    where = f"{option}={uri!r}"
+    data = _read_bounded(uri, storage_options, where, default_max_bytes() if max_bytes is None else max_bytes)
+    if _is_safetensors(data):
+        try:
+            tensors = safetensors.torch.load(data)
+        except safetensors.SafetensorError as exc:
+            raise WeightsError(f"{where}: not a valid safetensors file ({exc})") from exc
+        return Weights(tensors, "a safetensors file", _safetensors_metadata(data))
+    if not data.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip format, or its legacy pickle
+        raise WeightsError(f"{where}: neither a torch.save file nor a safetensors file (first bytes {data[:8]!r})")
+    return _unwrap(_torch_load(data, where), where)
+
+
+def match(
+    model_shapes: Mapping[str, Any],
+    state_dict: Mapping[str, Any],
+    *,
+    ignore_keys: Iterable[str] = (),
+) -> tuple[dict[str, Any], LoadReport]:
+    """Compares a state_dict with a model's ``{key: shape}``; returns what can be loaded and the report.
+
+    A prefix that wraps every key of the file and none of the model's (``module.``, ``_orig_mod.``,
+    ``model.``) is stripped first. Keys matching a load_ignore_keys glob are left out on both sides:
+    dropped from the file, and not counted missing from the model (they keep their initialization)."""
+    state_dict, stripped = _strip_wrapper_prefixes(dict(state_dict), set(model_shapes))
+    patterns = [p.removeprefix(_COMPOSER_PATH) for p in ignore_keys]
+
+    def ignored(key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, p) or fnmatch.fnmatchcase(stripped + key, p) for p in patterns)
+
+    ignored_keys = sorted(k for k in state_dict if ignored(k))
+    wanted = {k: tuple(s) for k, s in model_shapes.items() if not ignored(k)}
+    given = {k: v for k, v in state_dict.items() if not ignored(k)}
+    shapes = {k: (tuple(given[k].shape), wanted[k]) for k in given.keys() & wanted.keys()}
+    mismatched = sorted(k for k, (a, b) in shapes.items() if a != b)
+    loadable = {k: v for k, v in given.items() if k in wanted and k not in mismatched}
+    report = LoadReport(
+        loaded=sorted(loadable),
+        ignored=ignored_keys,
+        missing=sorted(wanted.keys() - given.keys()),
+        unexpected=sorted(given.keys() - wanted.keys()),
+        mismatched=mismatched,
+        stripped_prefix=stripped,
+        shapes={k: shapes[k] for k in mismatched},
+        model_keys=len(model_shapes),
+    )
+    return loadable, report
+
+
+def check_match(report: LoadReport, where: str, strict: bool) -> None:
+    """Raises one WeightsError line for a strict load that does not match, or for one that loads nothing."""
+    if strict and not report.ok:
+        raise WeightsError(f"{where}: the weights do not match the model: {mismatch_text(report)}")
+    if not report.loaded:
+        raise WeightsError(
+            f"{where}: no key of the file matches the model ({mismatch_text(report)}); is it the weights of "
+            f"another model?"
+        )
+
+
+def mismatch_text(report: LoadReport) -> str:
+    """The first few missing, unexpected and reshaped keys, and the two ways out."""
+    parts = []
+    for label, keys in (("missing from the file", report.missing), ("not in the model", report.unexpected)):
+        if keys:
+            parts.append(f"{len(keys)} {label} ({_examples(keys)})")
+    if report.mismatched:
+        shown = ", ".join(
+            f"{k!r} file {list(report.shapes[k][0])} vs model {list(report.shapes[k][1])}"
+            for k in report.mismatched[:_EXAMPLES]
+        )
+        parts.append(f"{len(report.mismatched)} of another shape ({shown})")
+    first = (report.mismatched or report.missing or report.unexpected or ["<key>"])[0]
+    glob = f"{first.rsplit('.', 1)[0]}.*" if "." in first else first
+    return (
+        f"{'; '.join(parts)}; set load_strict=false to load the keys that match, or "
+        f"load_ignore_keys=[{glob!r}] to leave keys out"
+    )
+
+
+def load_into(
+    model: torch.nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    ignore_keys: Iterable[str] = (),
+    where: str = "load_path",
+) -> LoadReport:
+    """Loads the matching part of ``state_dict`` into ``model``; with ``strict`` any mismatch is an error."""
+    model_state = model.state_dict()
+    loadable, report = match({k: v.shape for k, v in model_state.items()}, state_dict, ignore_keys=ignore_keys)
+    check_match(report, where, strict)
+    model.load_state_dict(loadable, strict=False)
+    return report
+
+
+def default_max_bytes() -> int:
+    """Half the machine's memory: a file larger than that cannot be held as bytes and tensors at once."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 64 << 30
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return bool({"file", "local"} & set(protocols))
+
+
+def _read_bounded(uri: str, storage_options: dict[str, Any] | None, where: str, max_bytes: int) -> bytes:
+    fs, path = fsspec.core.url_to_fs(uri, **with_endpoint_alias(uri, storage_options))
+    if _is_local(fs):
+        return _read_local(path, where, max_bytes)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError as exc:
+        raise WeightsError(f"{where}: no such file") from exc
+    if info.get("type") != "file":
+        raise WeightsError(f"{where}: not a file (a {info.get('type')}); name a weights file or a checkpoint folder")
+    size = int(info.get("size") or 0)
+    _check_size(size, where, max_bytes)
+    data = fs.cat_file(path, start=0, end=size + 1)  # one byte more than announced reveals a changed object
+    if len(data) != size:
+        raise WeightsError(f"{where}: changed while it was read ({size} bytes announced, {len(data)} read)")
+    return data
+
+
+def _read_local(path: str, where: str, max_bytes: int) -> bytes:
+    """Opens first, then checks what was opened (no window to swap the file); O_NONBLOCK keeps a FIFO's
+    open from waiting for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise WeightsError(f"{where}: no such file") from exc
+    except OSError as exc:
+        raise WeightsError(f"{where}: cannot be opened ({exc.strerror})") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WeightsError(
+                f"{where}: not a regular file (a {_kind(st.st_mode)}); refusing to read it: name a weights "
+                f"file or a checkpoint folder"
+            )
+        _check_size(st.st_size, where, max_bytes)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(st.st_size + 1)
+    finally:
+        os.close(fd)
+    if len(data) != st.st_size:
+        raise WeightsError(f"{where}: changed while it was read ({st.st_size} bytes announced, {len(data)} read)")
+    return data
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "directory" if stat.S_ISDIR(mode) else "socket" if stat.S_ISSOCK(mode) else "special file"
+
+
+def _check_size(size: int, where: str, max_bytes: int) -> None:
+    if size == 0:
+        raise WeightsError(f"{where}: the file is empty")
+    if size > max_bytes:
+        raise WeightsError(
+            f"{where}: {size / 1e9:.2f} GB is more than this worker loads ({max_bytes / 1e9:.2f} GB, half its memory)"
+        )
+
+
+# -- formats ---------------------------------------------------------------------------------------
+def _is_safetensors(data: bytes) -> bool:
+    """safetensors' layout: an 8-byte little-endian header length, then a JSON header."""
+    if len(data) < 10:
+        return False
+    n = int.from_bytes(data[:8], "little")
+    return 2 <= n <= len(data) - 8 and data[8:9] == b"{"
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, Any]:
+    """The header's ``__metadata__`` (string to string); JSON values (recipe_args, progress) decoded."""
+    n = int.from_bytes(data[:8], "little")
+    raw = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    metadata: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            metadata[key] = json.loads(value) if key in ("recipe_args", "progress") else value
+        except ValueError:
+            metadata[key] = value
+    return metadata
+
+
+def _torch_load(data: bytes, where: str) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = str(exc).splitlines()
+        detail = next((line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0])
+        raise UnsafeCheckpointError(
+            f"{where}: refused: the file needs code to load ({detail}); weights are only read with "
+            f"torch.load(weights_only=True). Re-save it as a state_dict of tensors, or as .safetensors"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise WeightsError(f"{where}: not a readable torch.save file ({str(exc).splitlines()[0]})") from exc
+
+
+def _is_state_dict(obj: Any) -> bool:
+    if not isinstance(obj, Mapping) or not obj or not all(isinstance(k, str) for k in obj):
+        return False
+    return all(isinstance(v, torch.Tensor) or k.endswith("_extra_state") for k, v in obj.items())
+
+
+def _unwrap(obj: Any, where: str) -> Weights:
+    """Finds the model's state_dict in the layouts other tools write."""
+    if _is_state_dict(obj):
+        return Weights(dict(obj), "a plain state_dict")
+    if isinstance(obj, Mapping):
+        state = obj.get("state")
+        if isinstance(state, Mapping) and _is_state_dict(state.get("model")):
+            return Weights(dict(state["model"]), "a Composer-style checkpoint (['state']['model'])")
+        if _is_state_dict(obj.get("model")):
+            metadata = obj.get("metadata")
+            if isinstance(metadata, Mapping):
+                return Weights(dict(obj["model"]), "an export of this product (['model'])", dict(metadata))
+            return Weights(dict(obj["model"]), "a checkpoint's ['model']")
+        if _is_state_dict(obj.get("state_dict")):
+            return Weights(dict(obj["state_dict"]), "a Lightning-style checkpoint (['state_dict'])")
+    found = sorted(map(str, obj))[:8] if isinstance(obj, Mapping) else type(obj).__name__
+    raise WeightsError(
+        f"{where}: holds no state_dict in a layout this reader knows (found {found}); expected a state_dict, "
+        f"{{'model': ...}}, {{'state': {{'model': ...}}}} or {{'state_dict': ...}}"
+    )
+
+
+def _strip_wrapper_prefixes(state_dict: dict[str, Any], model_keys: set[str]) -> tuple[dict[str, Any], str]:
+    """Peels wrapper prefixes (nested ones too, e.g. DDP around torch.compile) that wrap every key of the file
+    and none of the model's; kept only if the result then shares keys with the model."""
+    candidate, stripped = state_dict, ""
+    while candidate:
+        prefix = next(
+            (
+                p
+                for p in WRAPPER_PREFIXES
+                if all(k.startswith(p) for k in candidate) and not any(m.startswith(p) for m in model_keys)
+            ),
+            None,
+        )
+        if prefix is None:
+            break
+        candidate, stripped = {k[len(prefix) :]: v for k, v in candidate.items()}, stripped + prefix
+        if candidate.keys() & model_keys:
+            return candidate, stripped
+    return state_dict, ""
+
+
+def _examples(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_EXAMPLES])
+    return shown + (", ..." if len(keys) > _EXAMPLES else "")

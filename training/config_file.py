@@ -1,0 +1,116 @@
+"""Config files written for other trainers: nested sections are refused with their flat equivalent.
+
+MindSpore Transformers' YAML nests its settings (``runner_config: {epochs: 3, batch_size: 32}``,
+``CheckpointMonitor`` under ``callbacks``, ``trainer: {ignore_data_skip: ...}``). TrainConfig is flat, and
+pydantic would reject each section as "extra inputs are not permitted", which says nothing about what to
+write instead. This reads the file first and, when it nests, names the flat key for each nested key it
+recognises, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import yaml
+
+# MindSpore Transformers' names -> (our field, how its value converts). Their batch_size is per device.
+_FOREIGN: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "epochs": ("max_duration", lambda v: f"{v}ep"),
+    "batch_size": ("global_batch_size", int),
+    "save_checkpoint_steps": ("save_interval", lambda v: f"{v}ba"),
+    "keep_checkpoint_max": ("num_checkpoints_to_keep", int),
+    "load_checkpoint": ("load_path", str),
+    "resume_training": ("autoresume", bool),
+}
+_MAX_LISTED = 8
+
+
+def nested_sections_problem(path: str, fields: Mapping[str, Any]) -> str | None:
+    """One line naming the flat equivalent of a nested file's keys; None when the file is flat."""
+    if not path.endswith((".toml", ".yaml", ".yml")):
+        return None  # the caller names the suffixes it reads
+    try:
+        raw = _read(path)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        return f"config_file={path!r}: not valid {path.rsplit('.', 1)[-1].upper()} ({str(exc).splitlines()[0]})"
+    if raw is None:
+        return None  # an empty file sets nothing
+    if not isinstance(raw, Mapping):
+        return (
+            f"config_file={path!r}: expected a mapping of TrainConfig fields at the top level, got {type(raw).__name__}"
+        )
+    dict_fields = {name for name, f in fields.items() if dict in (f.annotation, typing.get_origin(f.annotation))}
+    nested = [k for k, v in raw.items() if k not in dict_fields and _has_mapping(v)]
+    if not nested:
+        return None
+    recognised, unknown = [], []
+    for dotted, value in _leaves(raw, dict_fields):
+        leaf = dotted.rsplit(".", 1)[-1]
+        if leaf in fields and "." not in dotted:
+            continue  # already flat and ours: nothing to say
+        mapped = _flat_equivalent(leaf, value, fields)
+        if mapped is None:
+            unknown.append(dotted)
+        else:
+            recognised.append(f"{dotted} -> {mapped[0]}: {_scalar(mapped[1])}")
+    return (
+        f"config_file={path!r}: nested sections are not read; TrainConfig is flat. "
+        f"Recognised: {_listing(recognised) or 'none'}; unknown: {_listing(unknown) or 'none'}. "
+        f"Write the recognised keys at the top level (python -m flows.train --help lists every field)"
+    )
+
+
+def _read(path: str) -> Any:
+    with open(path, "rb") as f:
+        if path.endswith(".toml"):
+            return tomllib.load(f)
+        return yaml.safe_load(f)
+
+
+def _has_mapping(value: Any) -> bool:
+    return isinstance(value, Mapping) or (isinstance(value, list) and any(isinstance(v, Mapping) for v in value))
+
+
+def _leaves(node: Any, dict_fields: set[str], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every scalar; a list item that is a mapping is named by its ``type``."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if not prefix and key in dict_fields:
+                continue
+            yield from _leaves(value, dict_fields, f"{prefix}{key}.")
+    elif isinstance(node, list) and any(isinstance(v, Mapping) for v in node):
+        for i, item in enumerate(node):
+            label = item.get("type", i) if isinstance(item, Mapping) else i
+            body = {k: v for k, v in item.items() if k != "type"} if isinstance(item, Mapping) else item
+            yield from _leaves(body, dict_fields, f"{prefix}{label}.")
+    else:
+        yield prefix.rstrip("."), node
+
+
+def _flat_equivalent(leaf: str, value: Any, fields: Mapping[str, Any]) -> tuple[str, Any] | None:
+    if leaf in fields:
+        return leaf, value
+    if leaf == "resume_training" and isinstance(value, str) and "resume_from" in fields:
+        return "resume_from", value  # MindSpore names the checkpoint to resume from here
+    if leaf in _FOREIGN:
+        name, convert = _FOREIGN[leaf]
+        try:
+            return name, convert(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    return json.dumps(value)
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
