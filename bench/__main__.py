@@ -15,6 +15,7 @@ BENCHES = {
     "resume": "bench.resume_latency",
     "peer": "bench.peer_lightning",
     "cli": "bench.cli_startup",
+    "sharded": "bench.sharded",
 }
 
 

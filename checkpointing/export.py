@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import json
+import logging
 import os
 import tempfile
 from typing import Any
@@ -28,10 +29,19 @@ import torch
 
 from checkpointing.protocols import with_endpoint_alias
 from checkpointing.storage import Storage
-from checkpointing.store import STATE_FILE, CheckpointInfo, open_checkpoint_uri
+from checkpointing.store import (
+    STATE_FILE,
+    CheckpointInfo,
+    CheckpointStore,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    split_run_uri,
+    validate_name,
+)
 from checkpointing.weights import WeightsError
 
 FORMATS = ("torch", "safetensors")
+log = logging.getLogger(__name__)
 PACKAGE = "resumable-train"
 
 
@@ -47,9 +57,8 @@ def export_checkpoint(
     fmt = fmt or ("safetensors" if str(out_uri).endswith(".safetensors") else "torch")
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r}: use one of {', '.join(FORMATS)}")
-    loaded = open_checkpoint_uri(checkpoint_uri, storage_options=storage_options, files=[STATE_FILE], option="uri")
-    weights = loaded.objects[STATE_FILE]["state"]["model"]
-    metadata = export_metadata(loaded.info)
+    weights, info = model_weights(checkpoint_uri, storage_options)
+    metadata = export_metadata(info)
     if fmt == "safetensors":
         data = safetensors.torch.save(_own_storage(weights, out_uri), metadata=_as_strings(metadata))
         how = "safetensors.torch.load_file(f)"
@@ -59,9 +68,34 @@ def export_checkpoint(
         data, how = buf.getvalue(), "torch.load(f, weights_only=True)['model']"
     write_file(out_uri, data, storage_options)
     return (
-        f"exported the weights of {loaded.info.uri} to {out_uri} ({how}); recipe {metadata['recipe']!r}, "
+        f"exported the weights of {info.uri} to {out_uri} ({how}); recipe {metadata['recipe']!r}, "
         f"recipe_args {metadata['recipe_args']!r}, {PACKAGE} {metadata['product_version']}"
     )
+
+
+def model_weights(uri: str, storage_options: dict[str, Any] | None) -> tuple[dict[str, Any], CheckpointInfo]:
+    """The model state_dict of the checkpoint ``uri`` names (a checkpoint folder, or a run folder's newest one
+    that loads), whether it is one ``state.pt`` or DCP shards (consolidated here)."""
+    try:
+        folder, run, name = split_run_uri(uri)
+        store = CheckpointStore(folder, validate_name(run, "uri"), storage_options=storage_options)
+    except ValueError as exc:
+        raise NotACheckpointError(f"uri={uri!r}: {exc}") from exc
+    found = [store.info(validate_name(name, "uri"))] if name is not None else list(store.candidates())
+    for info in found:
+        if info is None:
+            break
+        try:
+            if info.manifest.metadata.get("format") == "dcp":
+                from checkpointing.sharded import consolidated_model  # DCP: slow to import, only for these
+
+                return consolidated_model(store, info), info
+            return store.load(info, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"], info
+        except CorruptCheckpointError as exc:
+            if name is not None:
+                raise
+            log.warning("skipping checkpoint %s: %s", info.name, exc)
+    raise NotACheckpointError(f"uri={uri!r}: no checkpoint there that verifies")
 
 
 def export_metadata(info: CheckpointInfo) -> dict[str, Any]:

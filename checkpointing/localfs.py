@@ -23,6 +23,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
+from typing import IO
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,11 @@ class LocalFiles:
                 yield chunk
 
     def write(self, key: str, data: bytes) -> None:
+        with self.open_write(key) as f:
+            f.write(data)
+
+    def open_write(self, key: str) -> IO[bytes]:
+        """A new (truncated) regular file at ``key``, for writing; a link there is removed, not written through."""
         parts = self._parts(key)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         with self._folder(parts[:-1], create=True) as folder:
@@ -127,8 +133,7 @@ class LocalFiles:
                     raise
                 self._remove_link(folder, parts[-1], parts)
                 fd = os.open(parts[-1], flags, 0o644, dir_fd=folder)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        return os.fdopen(fd, "wb")
 
     def create(self, key: str, data: bytes) -> bool:
         """Writes ``key`` only if nothing (not even a link) is there yet; False if something was."""

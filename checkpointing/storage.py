@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import fsspec
 from tenacity import (
@@ -223,6 +223,13 @@ class Storage:
             self._call(f"put {key}", lambda: local.write(key, data), missing_is_error=True)
         else:
             self._call(f"put {key}", lambda: self.fs.pipe_file(self.path(key), data), missing_is_error=True)
+
+    def open_write(self, key: str, block_size: int | None = None) -> IO[bytes]:
+        """A file handle to stream ``key`` into (not retried: the caller redoes the whole file). Locally, a
+        link there is removed, not written through; on object stores, ``block_size`` is the upload part."""
+        if self.local is not None:
+            return self.local.open_write(key)
+        return self.fs.open(self.path(key), "wb", block_size=block_size)
 
     def create(self, key: str, data: bytes) -> bool:
         """Writes ``key`` only if it does not exist yet (atomically); False if it already did.

@@ -29,7 +29,7 @@ from typing import Any
 
 from checkpointing.fencing import Fence, FencedError
 from checkpointing.localfs import NOT_A_FILE
-from checkpointing.manifest import MANIFEST, Manifest, ManifestError, Writer, describe, sha256_hex
+from checkpointing.manifest import MANIFEST, FileEntry, Manifest, ManifestError, Writer, describe, sha256_hex
 from checkpointing.serialization import CheckpointError, UnsafeCheckpointError, safe_load, serialize
 from checkpointing.storage import RetrySettings, Storage
 
@@ -40,6 +40,7 @@ POINTER = "latest"
 CHECKPOINTS = "checkpoints"
 ROLLBACKS = "rollbacks"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FILE = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,127}$")
 _SAMPLES_IN_NAME = re.compile(r"-sa(\d+)(?:-g\d+)?$")
 _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-hash")
 
@@ -71,6 +72,13 @@ def validate_name(value: str, option: str = "run_name") -> str:
             f"{option}={value!r}: use 1-128 letters, digits, '.', '_' or '-', starting "
             f"with a letter or digit (no '/', '..' or absolute paths)"
         )
+    return value
+
+
+def validate_file_name(value: str) -> str:
+    """A file of a checkpoint: one path segment; DCP's own names (``.metadata``, ``__0_0.distcp``) included."""
+    if not isinstance(value, str) or not _FILE.match(value) or ".." in value:
+        raise ValueError(f"checkpoint file name {value!r}: use 1-128 letters, digits, '.', '_' or '-' (no '/' or '..')")
     return value
 
 
@@ -142,19 +150,22 @@ class CheckpointStore:
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else self.info(checkpoint)
         if info is None:
             return [f"{checkpoint}: no readable {MANIFEST}"]
-        prefix = self._key(info.name)
+        return self._problems(info.name, info.manifest.files, deep)
+
+    def _problems(self, name: str, files: dict[str, FileEntry], deep: bool) -> builtins.list[str]:
+        prefix = self._key(name)
         found = self.storage.sizes(prefix)
         problems = []
-        for fname, entry in info.manifest.files.items():
+        for fname, entry in files.items():
             size = found.get(fname)
             if size is None:
-                problems.append(f"{info.name}/{fname}: missing")
+                problems.append(f"{name}/{fname}: missing")
             elif size == NOT_A_FILE:
-                problems.append(f"{info.name}/{fname}: a symbolic link or special file (never followed)")
+                problems.append(f"{name}/{fname}: a symbolic link or special file (never followed)")
             elif size != entry.size:
-                problems.append(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
+                problems.append(f"{name}/{fname}: size {size} != {entry.size} in manifest")
             elif deep and self.storage.get_hashed(f"{prefix}/{fname}")[1] != entry.sha256:
-                problems.append(f"{info.name}/{fname}: sha256 mismatch")
+                problems.append(f"{name}/{fname}: sha256 mismatch")
         return problems
 
     def load(self, checkpoint: str | CheckpointInfo, files: Iterable[str] | None = None) -> LoadedCheckpoint:
@@ -275,13 +286,13 @@ class CheckpointStore:
         metadata: dict[str, Any] | None = None,
         writer: Writer | None = None,
     ) -> CheckpointInfo:
-        """Writes files, then the manifest, checks what landed, then moves ``latest``.
+        """Writes files, checks what landed, then writes the manifest, then moves ``latest``.
 
-        Raises FencedError for a stale writer, CorruptCheckpointError if the checkpoint does not verify right
-        after it was written (then ``latest`` stays where it was)."""
+        Raises FencedError for a stale writer, CorruptCheckpointError if the files do not verify right after
+        they were written (then no manifest is written and ``latest`` stays where it was)."""
         validate_name(name, "checkpoint name")
         for fname in blobs:
-            validate_name(fname, "checkpoint file name")
+            validate_file_name(fname)
         writer = writer or Writer.current()
         self.check_fence(writer)
         prefix = self._key(name)
@@ -291,27 +302,66 @@ class CheckpointStore:
             self.storage.delete(f"{prefix}/{MANIFEST}")  # a re-save first un-commits the old copy
             for fname, data in blobs.items():
                 self.storage.put(f"{prefix}/{fname}", data)
-            manifest = Manifest(
-                name=name,
-                files={f: e.result() for f, e in entries.items()},
-                progress=dict(progress),
-                metadata=dict(metadata or {}),
-                writer=writer,
-            )
-            body = manifest.to_json()
-            self.storage.put(f"{prefix}/{MANIFEST}", body)
-            info = CheckpointInfo(name, self.storage.uri(prefix), manifest, sha256_hex(body))
-            problems = self.check(info)
-            if problems:
-                raise CorruptCheckpointError(
-                    f"checkpoint {name} did not verify right after it was written ({'; '.join(problems)}); "
-                    f"'latest' was not moved to it"
-                )
-            self.check_fence(writer)
-            pointer = {"name": name, "generation": writer.generation, "manifest_sha256": info.manifest_sha256}
-            self.storage.put(POINTER, json.dumps(pointer).encode())
+            return self._publish(name, {f: e.result() for f, e in entries.items()}, progress, metadata, writer)
         finally:
             self._in_flight.discard(name)
+
+    def begin(self, name: str, writer: Writer) -> None:
+        """Makes way for files that ``commit_files`` will commit: checks the fence (a stale writer writes
+        nothing), un-commits a checkpoint of the same name and removes its files (a retry at another world
+        size would otherwise leave stray shards)."""
+        validate_name(name, "checkpoint name")
+        self.check_fence(writer)
+        self.delete(name)
+
+    def commit_files(
+        self,
+        name: str,
+        entries: dict[str, FileEntry],
+        *,
+        progress: dict[str, int],
+        metadata: dict[str, Any] | None = None,
+        writer: Writer | None = None,
+    ) -> CheckpointInfo:
+        """Commits files already written under ``checkpoints/<name>/`` (by several processes, or streamed),
+        as ``commit`` does after its own writes."""
+        validate_name(name, "checkpoint name")
+        for fname in entries:
+            validate_file_name(fname)
+        writer = writer or Writer.current()
+        self.check_fence(writer)
+        self._in_flight.add(name)
+        try:
+            return self._publish(name, entries, progress, metadata, writer)
+        finally:
+            self._in_flight.discard(name)
+
+    def _publish(
+        self,
+        name: str,
+        entries: dict[str, FileEntry],
+        progress: dict[str, int],
+        metadata: dict[str, Any] | None,
+        writer: Writer,
+    ) -> CheckpointInfo:
+        """Checks that every file landed whole, then writes the manifest and (if this writer is still
+        current) moves ``latest``."""
+        problems = self._problems(name, entries, deep=False)
+        if problems:
+            raise CorruptCheckpointError(
+                f"checkpoint {name} did not verify right after it was written ({'; '.join(problems)}); "
+                f"it was not committed and 'latest' was not moved"
+            )
+        manifest = Manifest(
+            name=name, files=dict(entries), progress=dict(progress), metadata=dict(metadata or {}), writer=writer
+        )
+        body = manifest.to_json()
+        prefix = self._key(name)
+        self.storage.put(f"{prefix}/{MANIFEST}", body)
+        info = CheckpointInfo(name, self.storage.uri(prefix), manifest, sha256_hex(body))
+        self.check_fence(writer)
+        pointer = {"name": name, "generation": writer.generation, "manifest_sha256": info.manifest_sha256}
+        self.storage.put(POINTER, json.dumps(pointer).encode())
         return info
 
     def name_for(self, base: str, generation: int) -> str:
