@@ -107,6 +107,19 @@ def _finite(option: str, low: float, high: float):
     return AfterValidator(check)
 
 
+def _optional_duration(option: str):
+    return AfterValidator(lambda v: v if v is None else str(Duration.parse(v, option)))
+
+
+def _optional_finite(option: str, low: float, high: float):
+    def check(v: float | None) -> float | None:
+        if v is not None and (not math.isfinite(v) or not low <= v <= high):
+            raise ValueError(f"{option}={v!r}: use a number from {low:g} to {high:g}, or leave it unset")
+        return v
+
+    return AfterValidator(check)
+
+
 def _json_object(option: str):
     def check(v: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -253,7 +266,34 @@ class TrainConfig(BaseSettings):
     store_retry_max_seconds: Annotated[float, _finite("store_retry_max_seconds", 1, 86400)] = Field(
         120.0, description="Give up an object-store call (all its attempts) after this long."
     )
-    eval_each_unit: bool = Field(False, description="Also evaluate after every unit (always done at the end).")
+    eval_interval: Annotated[str | None, _optional_duration("eval_interval")] = Field(
+        None,
+        description="Evaluate on the recipe's eval split every '<n>ep', '<n>ba' or '<n>sp' inside the run (always "
+        "done at the end too); the metrics, prefixed 'eval_', are stored in the next checkpoint's manifest and "
+        "may drive checkpoint_score_attribute.",
+    )
+    eval_each_unit: bool = Field(False, description="Evaluate after every unit: the same as eval_interval=save_interval.")
+    grad_clip_norm: Annotated[float | None, _optional_finite("grad_clip_norm", 1e-12, 1e12)] = Field(
+        None,
+        description="Clip the global gradient norm (all parameters, every process) to this before each optimizer "
+        "step; with fp16 the gradients are unscaled first.",
+    )
+    grad_accumulation: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="Micro-batches per process per optimizer step: each process loads, runs and frees its share of "
+        "the global batch in this many pieces (less activation memory; the same update).",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="fp32, or autocast to bf16 / fp16; fp16 adds a gradient scaler whose state is checkpointed.",
+    )
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="With several processes: ddp (every process holds the whole model; one state.pt) or fsdp (FSDP2 "
+        "fully_shard; every process writes its shards of a torch.distributed.checkpoint checkpoint).",
+    )
     log_every_n_steps: int = Field(20, ge=1, le=MAX_COUNT, description="Print a progress line every this many steps.")
     inject_fault_at_step: int | None = Field(
         None,
@@ -301,6 +341,11 @@ class TrainConfig(BaseSettings):
             )
         if self.load_weights_only and not self.load_path:
             raise ValueError("load_weights_only=True needs load_path: set load_path to a checkpoint or run URI")
+        if self.eval_interval is not None and self.eval_each_unit:
+            raise ValueError(
+                f"eval_each_unit=True and eval_interval={self.eval_interval!r} both set how often to evaluate: "
+                f"keep eval_interval"
+            )
         if (self.load_ignore_keys or not self.load_strict) and not self.load_path:
             raise ValueError("load_strict and load_ignore_keys apply to load_path: set load_path, or leave them out")
         return self
@@ -328,6 +373,13 @@ class TrainConfig(BaseSettings):
     @property
     def interval(self) -> Duration:
         return Duration.parse(self.save_interval)
+
+    @property
+    def eval_every(self) -> Duration | None:
+        """How often to evaluate inside the run (None: only at the end)."""
+        if self.eval_interval is not None:
+            return Duration.parse(self.eval_interval)
+        return self.interval if self.eval_each_unit else None
 
     def fingerprint(self) -> str:
         """Hash of what defines the model and data order (not durations, batch size or storage)."""
