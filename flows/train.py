@@ -93,11 +93,11 @@ def train(config: TrainConfig) -> TrainResult:
         guard.check(result)
         progress, units = Progress.from_dict(result.progress), [*units, result]
         report.unit_done(result)
-        if config.eval_each_unit and not result.complete:
-            evaluate(config, result.checkpoint_name)
 
     final_name, final_uri = (units[-1].checkpoint_name, units[-1].checkpoint) if units else (start.name, start.uri)
-    metrics = evaluate(config, final_name)
+    metrics = final_eval(units, progress) if units else None
+    if metrics is None:
+        metrics = evaluate(config, final_name)
     report.finish(units, metrics, started_from=started_from)
     log.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
              config.run_name, progress.epoch, progress.step, progress.samples_seen, len(units), final_uri,
@@ -118,6 +118,14 @@ def train(config: TrainConfig) -> TrainResult:
         store=store.uri,
         warnings=warnings,
     )
+
+
+def final_eval(units: list[UnitResult], progress: Progress) -> dict[str, float] | None:
+    """The last unit's own evaluation (eval_interval) when it ran at the final step: no second pass."""
+    last = units[-1].metrics
+    if last.get("eval_step") != float(progress.step):
+        return None
+    return {k.removeprefix("eval_"): v for k, v in last.items() if k.startswith("eval_") and k != "eval_step"}
 
 
 def resolve_start(config: TrainConfig, store: CheckpointStore, log) -> CheckpointInfo | None:

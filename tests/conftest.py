@@ -28,6 +28,9 @@ TEST_RECIPES = ",".join(
         RECORDING,
         "tests.recipes_for_tests:TrackingRecipe",
         "tests.recipes_for_tests:GatedRecipe",
+        "tests.recipes_for_tests:MicroBatchRecipe",
+        "tests.recipes_for_tests:ContextRecipe",
+        "tests.recipes_for_tests:TwoOptimizerRecipe",
         "tests.integration.deploy_recipes:PausingRecipe",
         "tests.integration.deploy_recipes:DyingRecipe",
     ]

@@ -57,3 +57,73 @@ class GatedRecipe(RecordingRecipe):
                 time.sleep(0.01)
         if self.record_dir:
             super().on_train_batch(sample_ids)
+
+
+class MicroBatchRecipe(SyntheticRecipe):
+    """Records, per ``loss`` call, the micro-batch's size and whether the previous call's activations were
+    already freed (a weak reference to them is dead): gradient accumulation must not hold them."""
+
+    def __init__(self, record_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        self.record_dir, self._previous = record_dir, None
+
+    def loss(self, model, batch):
+        import json
+
+        import torch.nn.functional as F
+
+        freed = self._previous is None or self._previous() is None
+        logits = model(batch["x"])
+        self._previous = weakref.ref(logits)
+        os.makedirs(self.record_dir, exist_ok=True)
+        with open(os.path.join(self.record_dir, "micro.jsonl"), "a") as f:
+            f.write(json.dumps({"size": len(batch["x"]), "previous_freed": freed}) + "\n")
+        return F.cross_entropy(logits, batch["y"])
+
+
+class ContextRecipe(SyntheticRecipe):
+    """A cosine schedule over ``ctx.total_steps`` (no step count in recipe_args); writes what it saw of ctx."""
+
+    def __init__(self, record_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        self.record_dir = record_dir
+
+    def build_scheduler(self, optimizer):
+        import json
+
+        import torch
+
+        ctx = self.ctx
+        os.makedirs(self.record_dir, exist_ok=True)
+        seen = {k: getattr(ctx, k) for k in ("total_steps", "total_samples", "micro_batch_size", "world_size")}
+        seen.update(rank=ctx.rank, global_batch_size=ctx.global_batch_size, precision=ctx.precision, seed=ctx.seed)
+        with open(os.path.join(self.record_dir, f"ctx-rank{ctx.rank}.json"), "w") as f:
+            json.dump(seen, f)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=ctx.total_steps)
+
+
+class TwoOptimizerRecipe(SyntheticRecipe):
+    """A custom ``train_step``: the last layer has its own Adam (GAN-style, two optimizers); its state is
+    the recipe's own ``state_dict`` so that it is checkpointed too."""
+
+    def build_optimizer(self, model):
+        import torch
+
+        body = [p for layer in list(model)[:-1] for p in layer.parameters()]
+        self.head_optimizer = torch.optim.Adam(list(model)[-1].parameters(), lr=0.01)
+        return torch.optim.SGD(body, lr=self.lr, momentum=0.9)
+
+    def train_step(self, ctx, batch):
+        ctx.optimizer.zero_grad(set_to_none=True)
+        self.head_optimizer.zero_grad(set_to_none=True)
+        with ctx.autocast():
+            loss = self.loss(ctx.model, batch)
+        ctx.backward(loss)
+        ctx.step(ctx.optimizer, self.head_optimizer)
+        return loss
+
+    def state_dict(self):
+        return {"head_optimizer": self.head_optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.head_optimizer.load_state_dict(state["head_optimizer"])

@@ -40,6 +40,12 @@ class RunContext:
     save_interval: Duration
     eval_interval: Duration | None
     num_train_samples: int | None = None  # len(train_dataset()), known once the dataset is built
+    # Set by the loop for a recipe's own ``train_step(ctx, batch)``:
+    model: torch.nn.Module | None = None  # what to call forward on (the DDP/FSDP-wrapped model)
+    optimizer: Any = None  # the optimizer build_optimizer returned
+    scaler: Any = None  # fp16's GradScaler, else None
+    batch_weight: float = 1.0  # this batch's share of the global batch, times world_size (see backward)
+    last_grad_norm: float | None = None  # the gradient norm before clipping, of the last step()
 
     @classmethod
     def of(cls, config: TrainConfig, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
@@ -94,8 +100,8 @@ class RunContext:
     def _epoch_size(self) -> int:
         if self.num_train_samples is None:
             raise RuntimeError(
-                "ctx.total_steps/total_samples/steps_per_epoch need the dataset's size: read them in build_model, "
-                "build_optimizer or build_scheduler (after train_dataset()), not in the recipe's constructor"
+                "ctx.total_steps/total_samples/steps_per_epoch need the dataset's size: read them in build_optimizer "
+                "or build_scheduler (after train_dataset()), not in the constructor or build_model"
             )
         return self.num_train_samples
 
@@ -110,3 +116,31 @@ class RunContext:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
+
+    # -- the step, for a recipe's own train_step ------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` done right for this run: weighted by the batch's share of the global batch (so
+        that averaging over processes gives the global batch's mean, even for a short last batch) and
+        scaled for fp16. ``loss`` is the mean over this batch."""
+        weighted = loss * self.batch_weight if self.batch_weight != 1.0 else loss
+        (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+
+    def step(self, *optimizers: Any) -> None:
+        """Clips (``grad_clip_norm``, after unscaling fp16 gradients) and steps ``optimizers`` (default: the
+        recipe's one), then updates the fp16 scaler. Zeroing gradients stays with the caller."""
+        optimizers = optimizers or (self.optimizer,)
+        if self.grad_clip_norm is not None:
+            if self.scaler is not None:
+                for optimizer in optimizers:
+                    self.scaler.unscale_(optimizer)
+            assert self.model is not None
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+            full = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor of the global norm
+            self.last_grad_norm = float(full() if full is not None else norm)
+        for optimizer in optimizers:
+            if self.scaler is not None:
+                self.scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -10,6 +11,7 @@ from torch.utils.data import DataLoader
 from checkpointing.store import STATE_FILE
 from training import session as sessions
 from training.config import TrainConfig
+from training.context import RunContext
 from training.loop import to_device
 from training.recipe import load_recipe
 from training.warm import PROCESS, SessionCache
@@ -28,20 +30,31 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: Sessio
         model = recipe.build_model().to(device)
         state = store.load(checkpoint_name, files=[STATE_FILE]).objects[STATE_FILE]
         model.load_state_dict(state["state"]["model"])
+    return evaluate_model(recipe, model, device, config.global_batch_size, getattr(recipe, "ctx", None))
+
+
+def evaluate_model(
+    recipe, model: torch.nn.Module, device: torch.device, batch_size: int, ctx: RunContext | None = None
+) -> dict[str, float]:
+    """Sample-weighted means of ``recipe.evaluate`` over its eval split ({} without one), under the run's
+    autocast. The loader has its own generator: evaluating never moves the training RNG streams."""
     if not (callable(getattr(recipe, "eval_dataset", None)) and callable(getattr(recipe, "evaluate", None))):
         return {}
-    return _run(recipe, model, device, config.global_batch_size)
-
-
-def _run(recipe, model: torch.nn.Module, device: torch.device, batch_size: int) -> dict[str, float]:
     dataset = recipe.eval_dataset()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=getattr(recipe, "collate_fn", None))
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=getattr(recipe, "collate_fn", None),
+        generator=torch.Generator().manual_seed(0),
+    )
     totals: dict[str, float] = {}
     count = 0
     was_training = model.training
     model.eval()
+    autocast = ctx.autocast() if ctx is not None else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             for batch in loader:
                 n = _batch_len(batch)
                 for k, v in recipe.evaluate(model, to_device(batch, device)).items():

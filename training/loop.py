@@ -6,8 +6,10 @@ retry, a restarted flow or a new process elsewhere all resume the same way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,8 +19,8 @@ from torch.utils.data import DataLoader
 from checkpointing import CheckpointStore
 from checkpointing.uploader import PendingCommit
 from training import session as sessions
-from training.config import TrainConfig
-from training.progress import ends_unit, is_complete, samples_left, unit_index
+from training.config import ConfigError, TrainConfig
+from training.progress import crossed, ends_unit, is_complete, samples_left, unit_index
 from training.sampler import ResumableBatchSampler
 from training.session import SINGLE_PROCESS, Session, World
 from training.warm import PROCESS, SessionCache
@@ -138,16 +140,26 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> tup
     p, epoch_size = s.progress, len(s.dataset)
     s.model.train()
     hook = getattr(s.recipe, "on_train_batch", None)
+    own_step = getattr(s.recipe, "train_step", None)
     losses: list[float] = []
+    norms: list[float] = []
+    evaluated: dict[str, float] = {}
     start_samples, t0 = p.samples_seen, time.perf_counter()
     while not is_complete(p, config.duration):
         sampler, loader = _loader(config, s, epoch_size)
-        unit_over = False
-        for (ids, global_n), batch in zip(sampler.shares(), loader, strict=True):
+        unit_over, batches = False, iter(loader)
+        for micro, global_n in sampler.steps():
             if hook is not None:
-                hook(ids)  # every step, even an empty share, so per-rank records stay aligned by step
-            losses.append(_step(s, batch, weight=s.world.size * len(ids) / global_n))
+                hook([i for ids in micro for i in ids])  # every step, even an empty share: ranks stay aligned
+            if own_step is not None:
+                losses.append(_own_step(s, own_step, next(batches), sum(map(len, micro)), global_n))
+            else:
+                losses.append(_step(s, micro, global_n, batches))
+            if s.ctx is not None and s.ctx.last_grad_norm is not None:
+                norms.append(s.ctx.last_grad_norm)
             epoch_ended = p.advance(global_n, epoch_size)
+            if config.eval_every is not None and crossed(p, config.eval_every, epoch_ended, global_n):
+                evaluated = _evaluate(config, s, log)
             if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
                 rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
                 log.info("unit %d: step %d, epoch %d, sample %d/%d, loss %.4f, %.0f samples/s", unit, p.step,
@@ -166,8 +178,30 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> tup
         "samples": float(trained),
         "train_seconds": seconds,
         "samples_per_second": trained / max(seconds, 1e-9),
+        **({"grad_norm": sum(norms) / len(norms)} if norms else {}),
+        **evaluated,
     }
     return metrics, len(losses)
+
+
+def _evaluate(config: TrainConfig, s: Session, log) -> dict[str, float]:
+    """Evaluates inside the unit (eval_interval); the metrics, prefixed ``eval_``, go into the checkpoint's
+    manifest. Every process evaluates (an FSDP forward needs them all); the training RNG is not touched."""
+    from training.evaluation import evaluate_model
+
+    metrics = evaluate_model(s.recipe, s.forward_model or s.model, s.device, config.global_batch_size, s.ctx)
+    s.model.train()
+    out = {f"eval_{k}": v for k, v in metrics.items()}
+    attribute = config.checkpoint_score_attribute
+    if attribute and attribute.startswith("eval_") and attribute not in out:
+        raise ConfigError(
+            f"checkpoint_score_attribute={attribute!r}: the recipe's evaluate reports {sorted(out) or 'nothing'}; "
+            f"choose one of those"
+        )
+    out["eval_step"] = float(s.progress.step)
+    if s.world.rank == 0:
+        log.info("evaluation at step %d: %s", s.progress.step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return out
 
 
 def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[ResumableBatchSampler, DataLoader]:
@@ -184,6 +218,7 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
         shuffle=config.shuffle,
         rank=s.world.rank,
         world_size=s.world.size,
+        micro_batches=config.grad_accumulation if not callable(getattr(s.recipe, "train_step", None)) else 1,
     )
     # The loader's own generator (worker seeds) is derived from the position, not from global RNG.
     generator = torch.Generator().manual_seed(hash((config.seed, p.epoch, p.sample_in_epoch, s.world.rank)) % 2**63)
@@ -201,16 +236,47 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
     return sampler, loader
 
 
-def _step(s: Session, batch: Any, weight: float) -> float:
-    """One optimizer step. ``weight`` makes the ranks' averaged gradient the global batch's mean."""
-    batch = to_device(batch, s.device)
+def _step(s: Session, micro: list[list[int]], global_n: int, batches: Iterator[Any]) -> float:
+    """One optimizer step over this process's micro-batches (``grad_accumulation`` of them), each loaded,
+    run and freed in turn. Each backward is weighted by ``world_size * len(micro-batch) / global_n``, so
+    the gradient summed over micro-batches and averaged over processes is the global batch's mean; DDP
+    syncs gradients only on the last micro-batch. Returns this process's mean loss over its samples."""
+    ctx = s.ctx
+    assert ctx is not None
+    model = s.forward_model or s.model
     s.optimizer.zero_grad(set_to_none=True)
-    loss = s.recipe.loss(s.forward_model or s.model, batch)
-    (loss * weight if weight != 1.0 else loss).backward()
-    s.optimizer.step()
+    total, count, last_loss = 0.0, 0, 0.0
+    for j, ids in enumerate(micro):
+        batch = to_device(next(batches), s.device)
+        ctx.batch_weight = s.world.size * len(ids) / global_n
+        with _gradient_sync(s, last=j == len(micro) - 1):
+            with ctx.autocast():
+                loss = s.recipe.loss(model, batch)
+            ctx.backward(loss)
+        last_loss = float(loss.detach())
+        total, count = total + last_loss * len(ids), count + len(ids)
+        del batch, loss  # the micro-batch's activations are freed before the next one is loaded
+    ctx.step(s.optimizer)
     if s.scheduler is not None:
         s.scheduler.step()
-    return float(loss.detach())
+    return total / count if count else last_loss
+
+
+def _own_step(s: Session, train_step: Any, batch: Any, n: int, global_n: int) -> float:
+    """The recipe's ``train_step(ctx, batch)``, with the whole share of the step; the scheduler stays ours."""
+    ctx = s.ctx
+    assert ctx is not None
+    ctx.batch_weight = s.world.size * n / global_n
+    loss = train_step(ctx, to_device(batch, s.device))
+    if s.scheduler is not None:
+        s.scheduler.step()
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def _gradient_sync(s: Session, last: bool) -> Any:
+    """DDP's all-reduce only on the last micro-batch of a step: the others accumulate locally."""
+    no_sync = getattr(s.forward_model, "no_sync", None)
+    return contextlib.nullcontext() if last or not callable(no_sync) else no_sync()
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

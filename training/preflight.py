@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from training.config import ConfigError, TrainConfig
-from training.recipe import describe_recipe, load_recipe
+from training.recipe import describe_recipe, load_recipe, open_dataset
 
 MAX_EPOCH_SAMPLES = 2**31 - 1  # the epoch's sample order is a permutation held in memory (8 bytes a sample)
 _passed: set[str] = set()
@@ -27,10 +27,13 @@ def preflight(config: TrainConfig) -> int:
     key = hashlib.sha256(config.model_dump_json().encode()).hexdigest()
     recipe = load_recipe(config)
     where = describe_recipe(config)
-    dataset = _calling(where, "train_dataset()", recipe.train_dataset)
+    if callable(getattr(recipe, "train_loop", None)) and not callable(getattr(recipe, "loss", None)):
+        return 0  # a loop of its own: it builds what it needs itself
+    dataset = _calling(where, "train_dataset()", lambda: open_dataset(recipe))
     size = _calling(where, "len(train_dataset())", lambda: len(dataset))
     if not isinstance(size, int) or not 1 <= size <= MAX_EPOCH_SAMPLES:
         raise ConfigError(f"{where}: train_dataset() has {size!r} samples; use between 1 and {MAX_EPOCH_SAMPLES}")
+    check_options(config, recipe)
     if key not in _passed:
         try:
             with torch.device("meta"):
@@ -39,6 +42,40 @@ def preflight(config: TrainConfig) -> int:
             _build(recipe, where)  # some models cannot be built on the meta device; the real build decides
         _passed.add(key)
     return size
+
+
+TRAIN_METRICS = ("loss", "samples", "train_seconds", "samples_per_second", "checkpoint_seconds")
+
+
+def check_options(config: TrainConfig, recipe: Any) -> None:
+    """Options that depend on what the recipe defines: refused now, not silently ignored later."""
+    if callable(getattr(recipe, "train_step", None)) and config.grad_accumulation > 1:
+        raise ConfigError(
+            f"grad_accumulation={config.grad_accumulation}: {type(recipe).__name__} has its own train_step, which gets "
+            f"the process's whole share of the batch; split it there (ctx.grad_accumulation), or leave "
+            f"grad_accumulation=1"
+        )
+    attribute = config.checkpoint_score_attribute
+    if attribute is None:
+        return
+    known = [*TRAIN_METRICS, *(["grad_norm"] if config.grad_clip_norm is not None else [])]
+    evaluates = callable(getattr(recipe, "eval_dataset", None)) and callable(getattr(recipe, "evaluate", None))
+    if attribute.startswith("eval_"):
+        if not evaluates:
+            raise ConfigError(
+                f"checkpoint_score_attribute={attribute!r}: {type(recipe).__name__} has no eval_dataset/evaluate, "
+                f"so no checkpoint reports it; use one of {', '.join(known)}"
+            )
+        if config.eval_every is None:
+            raise ConfigError(
+                f"checkpoint_score_attribute={attribute!r}: evaluation runs only at the end, so no checkpoint "
+                f"would report it; set eval_interval (e.g. eval_interval={config.save_interval!r})"
+            )
+    elif attribute not in known:
+        hint = " or eval_<metric> with eval_interval set" if evaluates else ""
+        raise ConfigError(
+            f"checkpoint_score_attribute={attribute!r}: no unit reports it; use one of {', '.join(known)}{hint}"
+        )
 
 
 def _build(recipe: Any, where: str) -> None:

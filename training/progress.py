@@ -78,8 +78,11 @@ def samples_left(p: Progress, duration: Duration) -> int | None:
 
 def ends_unit(p: Progress, interval: Duration, duration: Duration, epoch_ended: bool, batch_samples: int) -> bool:
     """Whether the step just counted (of ``batch_samples``) closes a unit: a save_interval boundary or the end."""
-    if is_complete(p, duration):
-        return True
+    return is_complete(p, duration) or crossed(p, interval, epoch_ended, batch_samples)
+
+
+def crossed(p: Progress, interval: Duration, epoch_ended: bool, batch_samples: int) -> bool:
+    """Whether the step just counted (of ``batch_samples``) reached a multiple of ``interval``."""
     if interval.unit == "ba":
         return p.step % interval.value == 0
     if interval.unit == "sp":  # the step that crosses a multiple of the interval closes the unit

@@ -8,6 +8,9 @@ A recipe is any class with::
     build_optimizer(model) -> Optimizer
     build_scheduler(optimizer) -> LRScheduler | None        (optional; stepped once per optimizer step)
     loss(model, batch) -> scalar Tensor
+    train_step(ctx, batch) -> loss                           (optional; replaces the product's step, below)
+    state_dict() / load_state_dict(state)                    (optional; more state to checkpoint, e.g. a
+                                                              second optimizer)
     eval_dataset() -> Dataset                                (optional)
     evaluate(model, batch) -> dict[str, float]               (optional; averaged over samples)
     on_train_batch(sample_ids: list[int])                    (optional; the ids this process trains on next)
@@ -15,6 +18,18 @@ A recipe is any class with::
 
 ``loss`` returns the mean over its batch: with several processes, each one's loss is weighted by its
 share of the global batch so that the averaged gradient is the global batch's mean.
+
+``self.ctx`` (a ``training.context.RunContext``) is set right after construction: batch sizes, world,
+seed, precision, and ``ctx.total_steps`` once ``train_dataset()`` was called (for LR schedules).
+
+The product's step, per optimizer step: zero the gradients; for each of ``grad_accumulation``
+micro-batches, ``loss(model, batch)`` under autocast and a weighted (and for fp16 scaled) backward,
+with DDP's gradient sync only on the last; clip to ``grad_clip_norm``; step; step the scheduler. A
+recipe whose step is different (several optimizers, a GAN) defines ``train_step(ctx, batch)``: it is
+called once per optimizer step with this process's whole share of the global batch, on the device, and
+does zero_grad/forward/backward/step itself, using ``ctx.model``, ``ctx.autocast()``,
+``ctx.backward(loss)`` (weights and scales) and ``ctx.step(*optimizers)`` (clips, steps, updates the
+scaler). The product still owns the data position, the scheduler step, checkpoints and RNG.
 
 Trust: ``recipe`` and ``recipe_args`` arrive as flow-run parameters, from anyone allowed to create runs.
 Importing a module and calling a class is running code, so a run may only name a recipe that the
@@ -33,6 +48,7 @@ import os
 from typing import Any, Protocol
 
 from training.config import ConfigError, TrainConfig
+from training.context import RunContext
 
 ENTRY_POINT_GROUP = "resumable_train.recipes"
 ALLOWED_ENV = "TRAIN_ALLOWED_RECIPES"
@@ -112,15 +128,27 @@ def recipe_class(config: TrainConfig) -> type:
     return cls
 
 
-def load_recipe(config: TrainConfig) -> Recipe:
-    """Constructs the recipe with ``recipe_args``; any mistake is a ConfigError naming them."""
+def load_recipe(config: TrainConfig, ctx: RunContext | None = None) -> Recipe:
+    """Constructs the recipe with ``recipe_args`` and sets ``recipe.ctx`` (``ctx``, or a single-process
+    context); any mistake is a ConfigError naming them."""
     cls = recipe_class(config)
     try:
-        return cls(**config.recipe_args)
+        recipe: Any = cls(**config.recipe_args)
     except Exception as exc:  # a recipe's own validation may raise anything: it is the arguments' fault
         raise ConfigError(
             f"recipe_args={config.recipe_args!r}: {cls.__name__} rejected them ({type(exc).__name__}: {exc})"
         ) from exc
+    recipe.ctx = ctx or RunContext.of(config)
+    return recipe
+
+
+def open_dataset(recipe: Any) -> Any:
+    """``recipe.train_dataset()``, its size recorded in ``recipe.ctx`` (for ``ctx.total_steps``)."""
+    dataset = recipe.train_dataset()
+    ctx = getattr(recipe, "ctx", None)
+    if isinstance(ctx, RunContext):
+        ctx.num_train_samples = len(dataset)
+    return dataset
 
 
 def describe_recipe(config: TrainConfig) -> str:

@@ -3,6 +3,15 @@
 A global batch is the next ``global_batch_size`` ids of that order starting at ``sample_in_epoch``;
 rank ``r`` of ``world_size`` takes ids ``r, r + world_size, ...`` of it. Seeking to any position is
 slicing, O(1) in the position: no batch is replayed to get there.
+
+Public: a loop of your own (``train_loop``) can use it to resume its DataLoader exactly::
+
+    sampler = ResumableBatchSampler(len(dataset), 64, seed=0, epoch=state["epoch"], start=state["sample_in_epoch"])
+    loader = DataLoader(dataset, batch_sampler=sampler)
+
+With ``micro_batches=k`` every rank's share of a step is loaded as ``k`` separate micro-batches
+(gradient accumulation): the DataLoader yields ``k`` batches per step, and ``steps()`` says which ids
+each one holds.
 """
 
 from __future__ import annotations
@@ -39,13 +48,16 @@ class ResumableBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        micro_batches: int = 1,
     ):
         stop = num_samples if stop is None else stop
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches}: use 1 or more")
         if not 0 <= start <= stop <= num_samples:
             raise ValueError(f"start={start}, stop={stop}: outside an epoch of {num_samples} samples")
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.seed, self.epoch, self.start, self.stop, self.shuffle = seed, epoch, start, stop, shuffle
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.micro_batches = rank, world_size, micro_batches
         self._order: torch.Tensor | None = None
 
     @property
@@ -63,11 +75,19 @@ class ResumableBatchSampler(Sampler[list[int]]):
             batch = order[begin : min(begin + self.global_batch_size, self.stop)]
             yield batch[self.rank :: self.world_size].tolist(), len(batch)
 
+    def steps(self):
+        """(this rank's micro-batches: ``micro_batches`` lists of sample ids, size of the global batch) per
+        step. The share is cut into nearly equal consecutive pieces; a piece may be empty."""
+        k = self.micro_batches
+        for ids, global_n in self.shares():
+            yield [ids[j * len(ids) // k : (j + 1) * len(ids) // k] for j in range(k)], global_n
+
     def __iter__(self):
-        """What the DataLoader loads. An empty share loads one sample of the batch for a zero-weight step,
-        so that every rank takes part in every gradient all-reduce."""
-        for ids, _ in self.shares():
-            yield ids if ids else [int(self.order[self.num_samples - 1])]
+        """What the DataLoader loads: every micro-batch of every step. An empty one loads one sample of the
+        epoch for a zero-weight pass, so that every rank takes part in every gradient all-reduce."""
+        for micro, _ in self.steps():
+            for ids in micro:
+                yield ids if ids else [int(self.order[self.num_samples - 1])]
 
     def __len__(self) -> int:
-        return math.ceil((self.stop - self.start) / self.global_batch_size)
+        return math.ceil((self.stop - self.start) / self.global_batch_size) * self.micro_batches

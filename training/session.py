@@ -21,9 +21,10 @@ from checkpointing.store import STATE_FILE
 from checkpointing.uploader import CommitRequest, Committer, PendingCommit
 from training import rng
 from training.config import ConfigError, TrainConfig
+from training.context import RunContext
 from training.identity import check_same_run, run_identity
 from training.progress import Progress, rescaled
-from training.recipe import Recipe, load_recipe
+from training.recipe import Recipe, load_recipe, open_dataset
 from training.warm_start import load_weights
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class Session:
     device: torch.device
     world: World = field(default_factory=World)
     forward_model: torch.nn.Module | None = None  # DDP wrapper when world.size > 1
+    ctx: RunContext | None = None  # what the recipe sees as recipe.ctx; the loop fills its step fields
+    scaler: Any = None  # fp16's GradScaler
     rng_state: dict[str, Any] | None = None
     data_skip_applied: dict[str, Any] | None = None  # the data-skip options already applied to this run
 
@@ -91,22 +94,25 @@ def pick_device(config: TrainConfig, world: World = SINGLE_PROCESS) -> torch.dev
 # -- restore --------------------------------------------------------------------------------------
 def restore(config: TrainConfig, store: CheckpointStore, log, world: World = SINGLE_PROCESS) -> tuple[Session, Origin]:
     """Builds the recipe's objects and loads the run's newest good checkpoint, load_path, or nothing."""
-    recipe = load_recipe(config)
-    dataset = recipe.train_dataset()
     device = pick_device(config, world)
+    ctx = RunContext.of(config, rank=world.rank, world_size=world.size, local_rank=world.local_rank, device=device)
+    recipe = load_recipe(config, ctx)
+    dataset = open_dataset(recipe)
     rng.seed_all(config.seed)
     model = recipe.build_model().to(device)
     optimizer = recipe.build_optimizer(model)
     build_scheduler = getattr(recipe, "build_scheduler", None)
     scheduler = build_scheduler(optimizer) if build_scheduler else None
     progress = Progress(global_batch_size=config.global_batch_size)
-    session = Session(recipe, dataset, model, optimizer, scheduler, progress, device, world)
+    session = Session(recipe, dataset, model, optimizer, scheduler, progress, device, world, ctx=ctx)
+    session.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
     origin = _load_into(config, store, session, log)
     if world.size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
         session.forward_model = DistributedDataParallel(model, device_ids=ids)
+    ctx.model, ctx.optimizer, ctx.scaler = session.forward_model or model, optimizer, session.scaler
     return session, origin
 
 
@@ -148,6 +154,11 @@ def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) 
     session.optimizer.load_state_dict(state["state"]["optimizer"])
     if session.scheduler is not None and state["state"].get("scheduler") is not None:
         session.scheduler.load_state_dict(state["state"]["scheduler"])
+    if session.scaler is not None and state["state"].get("scaler") is not None:
+        session.scaler.load_state_dict(state["state"]["scaler"])  # fp16 on resume: the scale it had reached
+    load_own_state = getattr(session.recipe, "load_state_dict", None)
+    if callable(load_own_state) and state["state"].get("recipe") is not None:
+        load_own_state(state["state"]["recipe"])
     session.progress = Progress.from_dict(loaded.info.progress)
     session.data_skip_applied = loaded.info.manifest.metadata.get("data_skip_applied")
     rank = session.world.rank
@@ -251,6 +262,8 @@ def save(
             "model": s.model.state_dict(),
             "optimizer": s.optimizer.state_dict(),
             "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
+            "scaler": s.scaler.state_dict() if s.scaler is not None else None,
+            "recipe": _recipe_state(s.recipe),
         },
         "progress": p.as_dict(),
     }
@@ -273,6 +286,12 @@ def save(
     pending = committer.submit(request) if background else committer.commit(request)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
     return pending
+
+
+def _recipe_state(recipe: Any) -> Any:
+    """The recipe's own state (``state_dict()``, optional): e.g. a second optimizer of a custom train_step."""
+    own = getattr(recipe, "state_dict", None)
+    return own() if callable(own) else None
 
 
 def checkpoint_metadata(config: TrainConfig, s: Session, metrics: dict[str, float]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpointing import CheckpointStore
 from flows.train import train
@@ -126,3 +127,21 @@ def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_conf
     first_of_unit1 = lines[lines_at_commit]
     assert lines.count(first_of_unit1) == 2
     assert len(lines) > 3 * 250
+
+
+def test_accumulation_on_two_processes_makes_the_single_process_update(make_config):
+    """2 gloo processes x 2 micro-batches (DDP sync on the last only, each micro-batch weighted by its share)
+    against 1 process taking the whole batch: the same weights up to float rounding. 250 samples: the last
+    batch of 26 gives shares of 13 and micro-batches of 6 and 7."""
+    from checkpointing.store import STATE_FILE
+
+    args = {"num_samples": 250, "dropout": 0.0}
+    one = make_config(run_name="one", max_duration="1ep", recipe_args=args, grad_clip_norm=0.5)
+    two = one.model_copy(update={"run_name": "two", "nproc_per_node": 2, "grad_accumulation": 2})
+    states = []
+    for config in (one, two):
+        train(config)
+        store = CheckpointStore(config.save_folder, config.run_name)
+        states.append(store.load(store.latest().name, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"])
+    for key in states[0]:
+        torch.testing.assert_close(states[0][key], states[1][key], rtol=1e-5, atol=1e-6, msg=key)
