@@ -38,7 +38,7 @@ def retry_unless_permanent(task, task_run, state) -> bool:
 def train_unit(config: TrainConfig, unit: int, start_checkpoint: str | None = None, generation: int = 0) -> UnitResult:
     """Train unit ``unit`` of the run, resuming from its newest good checkpoint."""
     log = get_run_logger()
-    if config.nproc_per_node > 1 or config.nnodes > 1:
+    if config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp":
         return launch_unit(config, attempt=task_run.run_count, generation=generation, log=log)
     return run_unit(
         config, start_checkpoint=start_checkpoint, attempt=task_run.run_count, generation=generation, log=log

@@ -28,9 +28,17 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: Sessio
     else:
         recipe, device = load_recipe(config), sessions.pick_device(config)
         model = recipe.build_model().to(device)
-        state = store.load(checkpoint_name, files=[STATE_FILE]).objects[STATE_FILE]
-        model.load_state_dict(state["state"]["model"])
+        model.load_state_dict(_model_weights(store, checkpoint_name))
     return evaluate_model(recipe, model, device, config.global_batch_size, getattr(recipe, "ctx", None))
+
+
+def _model_weights(store, name: str) -> dict:
+    info = store.info(name)
+    if info is not None and info.manifest.metadata.get("parallelism") == "fsdp":
+        from checkpointing import sharded
+
+        return sharded.consolidated_model(store, info)  # the whole model, in this process, for evaluation
+    return store.load(name, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"]
 
 
 def evaluate_model(

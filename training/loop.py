@@ -119,7 +119,10 @@ def _commit(
     metrics: dict[str, float],
     generation: int,
 ) -> PendingCommit:
-    """Single process: save. Several: rank 0 gathers every rank's RNG state, saves, tells the others."""
+    """Single process: save. Several: rank 0 gathers every rank's RNG state, saves, tells the others.
+    FSDP: every rank writes its own shards."""
+    if config.parallelism == "fsdp":
+        return sessions.save_sharded(config, store, s, metrics, generation)
     if s.world.size == 1:
         return sessions.save(config, store, s, cache.committer, metrics, generation)
     import torch.distributed as dist
@@ -275,6 +278,10 @@ def _own_step(s: Session, train_step: Any, batch: Any, n: int, global_n: int) ->
 
 def _gradient_sync(s: Session, last: bool) -> Any:
     """DDP's all-reduce only on the last micro-batch of a step: the others accumulate locally."""
+    set_sync = getattr(s.model, "set_requires_gradient_sync", None)  # an FSDP2 module
+    if callable(set_sync):
+        set_sync(last)
+        return contextlib.nullcontext()
     no_sync = getattr(s.forward_model, "no_sync", None)
     return contextlib.nullcontext() if last or not callable(no_sync) else no_sync()
 

@@ -99,6 +99,8 @@ def restore(config: TrainConfig, store: CheckpointStore, log, world: World = SIN
     recipe = load_recipe(config, ctx)
     dataset = open_dataset(recipe)
     rng.seed_all(config.seed)
+    if config.parallelism == "fsdp":
+        return _restore_sharded(config, store, log, world, recipe, dataset, ctx)
     model = recipe.build_model().to(device)
     optimizer = recipe.build_optimizer(model)
     build_scheduler = getattr(recipe, "build_scheduler", None)
@@ -116,8 +118,59 @@ def restore(config: TrainConfig, store: CheckpointStore, log, world: World = SIN
     return session, origin
 
 
+def _restore_sharded(config: TrainConfig, store: CheckpointStore, log, world: World, recipe: Any, dataset: Any,
+                     ctx: RunContext) -> tuple[Session, Origin]:  # fmt: skip
+    """parallelism='fsdp': the model is sharded with FSDP2 before its optimizer is built, and checkpoints
+    are DCP shards that every rank reads (only what its shards need) and writes in parallel."""
+    from training import fsdp
+
+    model = recipe.build_model()
+    origin = Origin("fresh")
+    if store.latest() is None and config.load_path:  # weights go into the whole model, before it is sharded
+        weights_from = load_weights(config, model, log)
+        if weights_from is None:
+            raise ConfigError(
+                f"load_path={config.load_path!r}: with parallelism='fsdp' a new run takes weights only; set "
+                f"load_weights_only=True"
+            )
+        origin = Origin("load_path", None, weights_from)
+    fsdp.shard_model(model, ctx.device)
+    optimizer = recipe.build_optimizer(model)
+    build_scheduler = getattr(recipe, "build_scheduler", None)
+    scheduler = build_scheduler(optimizer) if build_scheduler else None
+    progress = Progress(global_batch_size=config.global_batch_size)
+    session = Session(recipe, dataset, model, optimizer, scheduler, progress, ctx.device, world, ctx=ctx)
+    session.scaler = _sharded_scaler() if config.precision == "fp16" else None
+    ctx.model, ctx.optimizer, ctx.scaler = model, optimizer, session.scaler
+    found = fsdp.restore_latest(store, model, optimizer)
+    if found is None:
+        rng.seed_all(config.seed + world.rank)  # same initial weights everywhere, own RNG streams after
+        session.data_skip_applied = requested_data_skip(config)
+        return session, origin
+    info, extra = found
+    check_same_run(config, info)
+    _apply_extras(session, extra.common, info)
+    session.data_skip_applied = info.manifest.metadata.get("data_skip_applied")
+    if extra.rank is not None:
+        rng.restore(extra.rank)
+    else:  # the world grew: this rank has no saved stream; derive one from the position
+        rng.seed_all(info.progress.get("samples_seen", 0) * 1000 + world.rank)
+    reposition(config, session, log)
+    if world.rank == 0:
+        log.info("resharded %s (saved by %s process(es)) onto %d; this rank read %d file(s)", info.name,
+                 info.manifest.metadata.get("world_size"), world.size, len(extra.files_read))  # fmt: skip
+    return session, Origin("store", info.name, f"checkpoint {info.name}")
+
+
+def _sharded_scaler() -> Any:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler()  # agrees on inf/nan across ranks: each holds only its shards' gradients
+
+
 def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, log) -> Origin:
     files = [STATE_FILE, session.world.rng_file]
+    _refuse_sharded(store)
     loaded = store.load_latest(files)
     if loaded is not None:
         check_same_run(config, loaded.info)
@@ -152,14 +205,7 @@ def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) 
     if weights_only:
         return
     session.optimizer.load_state_dict(state["state"]["optimizer"])
-    if session.scheduler is not None and state["state"].get("scheduler") is not None:
-        session.scheduler.load_state_dict(state["state"]["scheduler"])
-    if session.scaler is not None and state["state"].get("scaler") is not None:
-        session.scaler.load_state_dict(state["state"]["scaler"])  # fp16 on resume: the scale it had reached
-    load_own_state = getattr(session.recipe, "load_state_dict", None)
-    if callable(load_own_state) and state["state"].get("recipe") is not None:
-        load_own_state(state["state"]["recipe"])
-    session.progress = Progress.from_dict(loaded.info.progress)
+    _apply_extras(session, state["state"], loaded.info)
     session.data_skip_applied = loaded.info.manifest.metadata.get("data_skip_applied")
     rank = session.world.rank
     if rng_file(rank) in loaded.objects:
@@ -171,6 +217,29 @@ def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) 
             rank,
             loaded.info.name,
             loaded.info.manifest.metadata.get("world_size"),
+        )
+
+
+def _apply_extras(session: Session, state: dict[str, Any], info: Any) -> None:
+    """What a checkpoint holds besides model and optimizer: scheduler, fp16 scaler, the recipe's own state."""
+    if session.scheduler is not None and state.get("scheduler") is not None:
+        session.scheduler.load_state_dict(state["scheduler"])
+    if session.scaler is not None and state.get("scaler") is not None:
+        session.scaler.load_state_dict(state["scaler"])  # fp16 on resume: the scale it had reached
+    load_own_state = getattr(session.recipe, "load_state_dict", None)
+    if callable(load_own_state) and state.get("recipe") is not None:
+        load_own_state(state["recipe"])
+    session.progress = Progress.from_dict(info.progress)
+
+
+def _refuse_sharded(store: CheckpointStore) -> None:
+    from checkpointing import sharded
+
+    latest = store.latest()
+    if latest is not None and sharded.is_sharded(latest):
+        raise ConfigError(
+            f"checkpoint {latest.name} is sharded (written with parallelism='fsdp'); resume it with "
+            f"parallelism='fsdp' at any number of processes, or export it: python -m checkpointing export {latest.uri}"
         )
 
 
@@ -286,6 +355,39 @@ def save(
     pending = committer.submit(request) if background else committer.commit(request)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
     return pending
+
+
+def save_sharded(
+    config: TrainConfig, store: CheckpointStore, s: Session, metrics: dict[str, float], generation: int
+) -> PendingCommit:
+    """parallelism='fsdp': every rank writes its shards and its RNG state; rank 0 commits after all
+    reported (manifest, then ``latest``), then applies retention. Synchronous: the shards are written
+    from the live model (DCP's async_save would need a staging copy, the memory this mode saves)."""
+    from training import fsdp
+
+    p = s.progress
+    t0 = time.perf_counter()
+    extra = {
+        "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
+        "scaler": s.scaler.state_dict() if s.scaler is not None else None,
+        "recipe": _recipe_state(s.recipe),
+        "progress": p.as_dict(),
+    }
+    info = fsdp.save_sharded(
+        store,
+        store.name_for(f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}", generation),
+        s.model,
+        s.optimizer,
+        extra,
+        rank_extra=rng.capture(),
+        progress=p.as_dict(),
+        metadata=checkpoint_metadata(config, s, metrics),
+        writer=Writer.current(generation),
+    )
+    if s.world.rank == 0 and config.num_checkpoints_to_keep > 0:
+        store.prune(config.num_checkpoints_to_keep, config.checkpoint_score_attribute, config.checkpoint_score_order)
+    metrics["checkpoint_seconds"] = time.perf_counter() - t0
+    return PendingCommit.of(info)
 
 
 def _recipe_state(recipe: Any) -> Any:

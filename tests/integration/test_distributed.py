@@ -37,7 +37,8 @@ def test_two_gloo_processes_complete_the_run_with_the_expected_counters(make_con
     assert {"rng-rank0.pt", "rng-rank1.pt", "state.pt"} <= set(latest.manifest.files)
 
 
-def test_two_then_one_then_two_processes_see_every_sample_once_per_epoch(make_config, tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_then_one_then_two_processes_see_every_sample_once_per_epoch(make_config, tmp_path, parallelism):
     n, record = 225, tmp_path / "ids"  # 225 = 7 x 32 + 1: an epoch ends with a one-sample batch
     args = {"num_samples": n, "record_dir": str(record)}
     plan = [
@@ -55,6 +56,7 @@ def test_two_then_one_then_two_processes_see_every_sample_once_per_epoch(make_co
                 save_interval=interval,
                 recipe_args=args,
                 recipe=RECORDING,
+                parallelism=parallelism,
             )
         )
         global_steps += steps_by_rank(record, nproc)
@@ -83,9 +85,11 @@ def rank_processes(rank: int) -> list[int]:
     return pids
 
 
-def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_config, tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_config, tmp_path, parallelism):
     record = tmp_path / "ids"
     config = make_config(
+        parallelism=parallelism,
         nproc_per_node=2,
         max_duration="3ep",
         global_batch_size=16,
@@ -127,21 +131,34 @@ def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_conf
     first_of_unit1 = lines[lines_at_commit]
     assert lines.count(first_of_unit1) == 2
     assert len(lines) > 3 * 250
+    latest = CheckpointStore(config.save_folder, config.run_name).latest()
+    assert latest.manifest.metadata.get("parallelism", "ddp") == parallelism
+    if parallelism == "fsdp":  # every rank wrote its own shards and RNG state; no gathered state.pt
+        assert "state.pt" not in latest.manifest.files
+        assert {"extra-rank0.pt", "extra-rank1.pt", ".metadata"} <= set(latest.manifest.files)
 
 
-def test_accumulation_on_two_processes_makes_the_single_process_update(make_config):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_accumulation_on_two_processes_makes_the_single_process_update(make_config, parallelism):
     """2 gloo processes x 2 micro-batches (DDP sync on the last only, each micro-batch weighted by its share)
     against 1 process taking the whole batch: the same weights up to float rounding. 250 samples: the last
     batch of 26 gives shares of 13 and micro-batches of 6 and 7."""
+    from checkpointing import sharded
     from checkpointing.store import STATE_FILE
 
     args = {"num_samples": 250, "dropout": 0.0}
     one = make_config(run_name="one", max_duration="1ep", recipe_args=args, grad_clip_norm=0.5)
-    two = one.model_copy(update={"run_name": "two", "nproc_per_node": 2, "grad_accumulation": 2})
+    two = one.model_copy(
+        update={"run_name": "two", "nproc_per_node": 2, "grad_accumulation": 2, "parallelism": parallelism}
+    )
     states = []
     for config in (one, two):
         train(config)
         store = CheckpointStore(config.save_folder, config.run_name)
-        states.append(store.load(store.latest().name, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"])
+        info = store.latest()
+        if sharded.is_sharded(info):
+            states.append(sharded.consolidated_model(store, info))
+        else:
+            states.append(store.load(info.name, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"])
     for key in states[0]:
         torch.testing.assert_close(states[0][key], states[1][key], rtol=1e-5, atol=1e-6, msg=key)

@@ -233,3 +233,14 @@ def test_local_fsspec_urls_work_too(tmp_path):
     assert torch.equal(target["model"]["big.weight"], state(1)["model"]["big.weight"])
     with fsspec.open(f"file://{tmp_path}/runs/r/latest") as f:
         assert json.loads(f.read())["name"] == "s"
+
+
+def test_a_ddp_launch_on_a_sharded_run_is_refused_not_silently_restarted(tmp_path, make_config):
+    """Without the check, the DDP loader finds no state.pt in any checkpoint and would fall back past all of
+    them: a fresh start over a run that has checkpoints."""
+    from training.config import ConfigError
+    from training.loop import run_unit
+
+    two_sharded((str(tmp_path / "runs"), None))
+    with pytest.raises(ConfigError, match=r"checkpoint s2 is sharded \(written with parallelism='fsdp'\)"):
+        run_unit(make_config(save_folder=str(tmp_path / "runs"), run_name="r"))
