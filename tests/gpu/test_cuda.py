@@ -78,3 +78,21 @@ def test_torchrun_unit_uses_nccl_on_cuda(tmp_path, caplog):
         second = launch_unit(cfg, start_checkpoint=None, attempt=1, generation=1, log=log)
     assert "joined a nccl process group" in caplog.text
     assert second.resumed_from == f"checkpoint {first.checkpoint_name}" and second.complete
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_mixed_precision_with_accumulation_and_clipping_resumes_bit_identically(tmp_path, precision):
+    """fp16 on CUDA runs the GradScaler for real (unscale before clip, skipped steps on inf); its state is
+    checkpointed, so a cold resume in a new process state ends with the same weights."""
+    options = dict(precision=precision, grad_accumulation=2, grad_clip_norm=1.0, max_duration="2ep")
+    warm, cold = config(tmp_path, "warm", **options), config(tmp_path, "cold", **options)
+    run_all(warm)
+    PROCESS.forget()
+    while not run_unit(cold).complete:
+        PROCESS.forget()
+    a, b = weights(warm), weights(cold)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if precision == "fp16":
+        store = CheckpointStore(cold.save_folder, cold.run_name)
+        scaler = store.load(store.latest(), ["state.pt"]).objects["state.pt"]["state"]["scaler"]
+        assert scaler["scale"] > 0
