@@ -34,6 +34,10 @@ class CommitRequest:
     writer: Writer
     keep: int = -1
     score: tuple[str, str] | None = None  # (metric, "max" | "min") for keep-best retention
+    # Instead of ``blobs``, for a commit made now: the objects themselves, streamed into the store while they
+    # are hashed (no serialized copy of the state in memory). A background commit needs the bytes: training
+    # changes the objects meanwhile.
+    objects: dict[str, Any] | None = None
 
     @property
     def uri(self) -> str:
@@ -85,6 +89,8 @@ class Committer:
 
     def submit(self, request: CommitRequest) -> PendingCommit:
         """Starts committing ``request`` in the background; first waits for (and re-raises) the previous one."""
+        if request.objects is not None:
+            raise ValueError("a background commit takes serialized blobs, not live objects")
         self.wait()
         pending = _pending(request)
         with self._lock:
@@ -136,7 +142,12 @@ def _commit_in_background(request: CommitRequest) -> CheckpointInfo:
 
 def _commit_and_prune(r: CommitRequest) -> CheckpointInfo:
     """Commits, then applies retention with the same store (which knows what is in flight)."""
-    info = r.store.commit(r.name, r.blobs, progress=r.progress, metadata=r.metadata, writer=r.writer)
+    if r.objects is not None:
+        from checkpointing.streaming import save_streaming
+
+        info = save_streaming(r.store, r.name, r.objects, progress=r.progress, metadata=r.metadata, writer=r.writer)
+    else:
+        info = r.store.commit(r.name, r.blobs, progress=r.progress, metadata=r.metadata, writer=r.writer)
     if r.keep > 0:
         attribute, order = r.score or (None, "max")
         r.store.prune(r.keep, attribute, order)

@@ -321,7 +321,8 @@ def save(
     generation: int,
     rng_states: list[dict[str, Any]] | None = None,
 ) -> PendingCommit:
-    """Serializes the session (the only stall) and commits it, in the background when async upload is on.
+    """Commits the session: streamed into the store now, or, with async upload, serialized (the only stall)
+    and uploaded in the background while the next unit trains.
 
     ``rng_states`` holds every rank's RNG state (gathered by rank 0) when several processes train."""
     p = s.progress
@@ -339,10 +340,12 @@ def save(
     t0 = time.perf_counter()
     objects = {STATE_FILE: state}
     objects.update({rng_file(r): st for r, st in enumerate(rng_states or [s.rng_state])})
+    background = use_async_upload(config, store) and s.world.size == 1
     request = CommitRequest(
         store=store,
         name=store.name_for(f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}", generation),
-        blobs=serialize(objects),
+        blobs=serialize(objects) if background else {},  # a snapshot to upload while training goes on
+        objects=None if background else objects,  # else streamed: no second copy of the state in memory
         progress=p.as_dict(),
         metadata=checkpoint_metadata(config, s, metrics),
         writer=Writer.current(generation),
@@ -351,7 +354,6 @@ def save(
         if config.checkpoint_score_attribute
         else None,
     )
-    background = use_async_upload(config, store) and s.world.size == 1
     pending = committer.submit(request) if background else committer.commit(request)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
     return pending

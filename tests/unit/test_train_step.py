@@ -175,3 +175,11 @@ def test_an_eval_metric_the_recipe_does_not_report_fails_at_the_first_evaluation
     with pytest.raises(ConfigError, match=r"'eval_f1': the recipe's evaluate reports \['eval_accuracy', 'eval_loss'\]"):
         run_unit(config)
     assert CheckpointStore(config.save_folder, config.run_name).list() == []  # nothing committed
+
+
+def test_evaluating_inside_the_run_does_not_change_what_is_trained(make_config):
+    plain = make_config(run_name="plain", max_duration="2ep")  # dropout on: any RNG draw would show
+    evaluated = plain.model_copy(update={"run_name": "evaluated", "eval_interval": "3ba"})
+    train_all(plain)
+    train_all(evaluated)
+    assert_same_tensors(final_state(plain)["model"], final_state(evaluated)["model"])
