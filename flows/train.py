@@ -26,6 +26,7 @@ from training.loop import UnitResult
 from training.preflight import preflight
 from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
 from training.recipe import allow_recipe
+from training.rollback import pending_roll_back, roll_back
 from training.session import open_store
 from training.warm_start import check_load_path
 
@@ -73,8 +74,11 @@ def train(config: TrainConfig) -> TrainResult:
             )
     elif config.load_path:
         _check_load_path(config)
+    rollback_to = pending_roll_back(config, store, log)  # a bad resume_from fails here, before anything is written
     # Claimed before resolving where to start: an older writer's commits after this point are refused.
     generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run.run_count})")
+    if rollback_to:
+        roll_back(store, rollback_to, generation, log)
     start = resolve_start(config, store, log)
     progress = rescaled(Progress.from_dict(start.progress), config.global_batch_size) if start else Progress()
     warnings = [w for w in [overshoot_warning(config, store, start, progress)] if w]
