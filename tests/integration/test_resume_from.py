@@ -1,4 +1,4 @@
-"""Roll-backs (resume_from) through the train flow."""
+"""Roll-backs, load_path on a run that has checkpoints, and best checkpoints, through the train flow."""
 
 from __future__ import annotations
 
@@ -63,3 +63,31 @@ def test_resume_from_a_name_the_run_does_not_have_fails_and_writes_nothing(make_
     with pytest.raises(ConfigError, match=r"^resume_from='ep9': run 'r' in .* \(its newest: ep1-ba8-sa256;"):
         train(make_config(max_duration="2ep", resume_from="ep9"))
     assert files_under(run) == before  # no new claims/ file, no roll-back record, latest untouched
+
+
+def test_load_path_on_a_run_that_has_checkpoints_is_ignored_with_a_warning(make_config):
+    source = train(make_config(run_name="source", max_duration="1ep"))
+    tuned = dict(run_name="tuned", load_path=source.checkpoint, load_weights_only=True)
+    first = train(make_config(max_duration="1ep", **tuned))
+    assert first.warnings == []
+
+    again = train(make_config(max_duration="2ep", **tuned))
+
+    assert again.units[0].resumed_from.startswith(f"checkpoint {first.checkpoint_name}")  # not load_path
+    assert again.warnings == [
+        f"load_path={source.checkpoint!r} is ignored: run 'tuned' already has checkpoints and resumes from its "
+        f"checkpoint {first.checkpoint_name}. To start from load_path, choose a new run_name; to go back to an "
+        f"earlier checkpoint of this run, set resume_from=<checkpoint name> (python -m checkpointing ls "
+        f"{again.store})"
+    ]
+
+
+def test_best_checkpoints_are_ordered_by_the_score_attribute(make_config):
+    lowest = train(make_config(checkpoint_score_attribute="loss", checkpoint_score_order="min"))
+
+    by_loss = sorted(lowest.units, key=lambda u: u.metrics["loss"])
+    assert lowest.best_checkpoint_names == [u.checkpoint_name for u in by_loss]
+    assert lowest.best_checkpoints == [u.checkpoint for u in by_loss]
+    highest = train(make_config(checkpoint_score_attribute="loss", checkpoint_score_order="max"))  # trains nothing
+    assert highest.units == [] and highest.best_checkpoint_names == lowest.best_checkpoint_names[::-1]
+    assert train(make_config()).best_checkpoints == []
