@@ -438,6 +438,11 @@ class CheckpointStore:
             raise NotACheckpointError(
                 f"resume_from={to!r}: no checkpoint of that name verifies ({'; '.join(problems)})"
             )
+        if self.set_aside([info]):
+            raise NotACheckpointError(
+                f"resume_from={to!r}: an earlier roll-back set that checkpoint aside, and it cannot be resumed from "
+                f"in this run; start a new run from it with load_path={info.uri!r}"
+            )
         self.check_fence(writer)
         later = [i.name for i in self.list() if i.manifest.order > info.manifest.order]
         record = {"generation": writer.generation, "to": to, "order": list(info.manifest.order), "set_aside": later}

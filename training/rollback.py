@@ -4,8 +4,9 @@ The store records a roll-back under ``rollbacks/<generation>.json``; checkpoints
 its target stop being candidates and stay where they are. The record also makes the option idempotent:
 a flow run restarted after a crash, or launched again with the same parameters, finds that the run's
 most recent roll-back already went to ``resume_from`` and continues from the newest checkpoint instead
-of setting aside what was trained since. (To go back to the same checkpoint a second time, roll back to
-another one in between, or start a new run from it with ``load_path``.)
+of setting aside what was trained since. (To go back to the same checkpoint a second time, start a new run
+from it with ``load_path``.) A checkpoint that a roll-back set aside cannot be rolled back to: the record that
+set it aside still holds.
 """
 
 from __future__ import annotations
@@ -35,11 +36,18 @@ def pending_roll_back(config: TrainConfig, store: CheckpointStore, log) -> str |
         return None
     info = store.info(target)
     if info is None:
-        names = [i.name for i in reversed(store.list())][:_LISTED]
+        infos = store.list()
+        set_aside = set(store.set_aside(infos))
+        names = [i.name for i in reversed(infos) if i.name not in set_aside][:_LISTED]
         have = f"its newest: {', '.join(names)}" if names else "it has none"
         raise ConfigError(
             f"resume_from={target!r}: run {config.run_name!r} in {store.uri} has no checkpoint of that name "
             f"({have}; all of them: python -m checkpointing ls {store.uri})"
+        )
+    if store.set_aside([info]):
+        raise ConfigError(
+            f"resume_from={target!r}: an earlier roll-back set that checkpoint aside, and this run cannot resume "
+            f"from it; start a new run from it with load_path={info.uri!r}"
         )
     problems = store.check(info)
     if problems:

@@ -94,6 +94,17 @@ def test_resume_from_a_checkpoint_with_a_truncated_file_fails_before_anything_is
     assert files_under(store.uri) == before
 
 
+def test_a_checkpoint_a_roll_back_set_aside_cannot_be_rolled_back_to(store):
+    store.roll_back(NAMES[1], Writer.current(2))
+    before = files_under(store.uri)
+    with pytest.raises(ConfigError, match=rf"^resume_from='{NAMES[3]}': an earlier roll-back set that checkpoint"):
+        pending_roll_back(config(store, resume_from=NAMES[3]), store, log)
+    with pytest.raises(ValueError, match=rf"^resume_from='{NAMES[3]}': an earlier roll-back set that checkpoint"):
+        store.roll_back(NAMES[3], Writer.current(3))
+    assert files_under(store.uri) == before
+    assert store.latest().name == NAMES[1]
+
+
 def test_resume_from_applies_once_and_again_after_a_roll_back_elsewhere(store):
     wanted = config(store, resume_from=NAMES[1])
     assert pending_roll_back(wanted, store, log) == NAMES[1]
@@ -103,9 +114,13 @@ def test_resume_from_applies_once_and_again_after_a_roll_back_elsewhere(store):
     # a relaunch (or a crash-restarted flow run) with the same resume_from keeps what was trained since
     assert pending_roll_back(wanted, store, log) is None
     assert store.latest().name == f"{NAMES[2]}-g2"
-    # a roll-back to another checkpoint in between makes the same resume_from apply again
-    roll_back(store, NAMES[0], store.claim_generation(), log)
+    # a roll-back to another checkpoint in between (a later one: an earlier one sets this one aside) makes the
+    # same resume_from apply again
+    save(store, 4, 2, 0.3, name=store.name_for(NAMES[3], 2))
+    roll_back(store, f"{NAMES[2]}-g2", store.claim_generation(), log)
     assert pending_roll_back(wanted, store, log) == NAMES[1]
+    roll_back(store, NAMES[1], store.claim_generation(), log)
+    assert store.latest().name == NAMES[1]
 
 
 def test_resume_from_must_be_a_checkpoint_name_and_continues_the_run():
