@@ -1,6 +1,7 @@
 """Checkpoints for people: ``python -m checkpointing ls|verify|export <uri>``.
 
     python -m checkpointing ls runs/exp1                    # table of a run's checkpoints
+    python -m checkpointing ls runs/exp1 --best loss --order min   # those reporting loss, lowest first
     python -m checkpointing verify runs/exp1                # sha256 of every file; exit 1 if any is bad
     python -m checkpointing verify runs/exp1 --name ep3-ba24-sa768   # one checkpoint
     python -m checkpointing export runs/exp1 model.pt       # weights + recipe, recipe_args, version
@@ -20,7 +21,7 @@ import sys
 
 from checkpointing.protocols import check_store_url
 from checkpointing.storage import StorageError
-from checkpointing.store import CheckpointError, CheckpointStore, split_run_uri, validate_name
+from checkpointing.store import CheckpointError, CheckpointInfo, CheckpointStore, split_run_uri, validate_name
 
 
 def _run_store(uri: str, options: dict) -> tuple[CheckpointStore, str | None]:
@@ -29,29 +30,58 @@ def _run_store(uri: str, options: dict) -> tuple[CheckpointStore, str | None]:
     return CheckpointStore(folder, run, storage_options=options), name
 
 
+HEADER = ("name", "epoch", "step", "samples", "size MB", "verified", "latest")
+
+
 def cmd_ls(args, options) -> int:
     store, _ = _run_store(args.uri, options)
+    if args.best:
+        return _ls_best(store, args.best, args.order)
     pointer = (store.read_pointer() or {}).get("name")
-    rows = [("name", "epoch", "step", "samples", "size MB", "verified", "latest")]
-    for info in store.list():
-        p = info.progress
-        rows.append(
-            (
-                info.name,
-                str(p.get("epoch", "")),
-                str(p.get("step", "")),
-                str(p.get("samples_seen", "")),
-                f"{info.size_bytes / 1e6:.1f}",
-                "no" if store.check(info) else "yes",
-                "*" if info.name == pointer else "",
-            )
-        )
+    infos = store.list()
+    _print_table([HEADER, *(_row(store, info, pointer) for info in infos)])
+    if not infos:
+        print(f"(no checkpoints in {store.uri})")
+    set_aside = store.set_aside(infos)  # the manifests just read, not a second listing
+    if set_aside:
+        print(f"(set aside by a roll-back: kept, never resumed from: {', '.join(set_aside)})")
+    return 0
+
+
+def _ls_best(store: CheckpointStore, metric: str, order: str) -> int:
+    """``ls --best METRIC``: the checkpoints that report METRIC, best first, with its value beside the name."""
+    best = store.best(metric, order)
+    if not best:
+        reported = sorted({m for info in store.list() for m in info.metrics})
+        known = f"they report: {', '.join(reported)}" if reported else "none of its checkpoints reports metrics"
+        print(f"error: no checkpoint in {store.uri} reports metric {metric!r} ({known})", file=sys.stderr)
+        return 2
+    pointer = (store.read_pointer() or {}).get("name")
+    rows: list[tuple[str, ...]] = [(HEADER[0], metric, *HEADER[1:])]
+    for info in best:
+        name, *rest = _row(store, info, pointer)
+        rows.append((name, f"{info.metrics[metric]:.6g}", *rest))
+    _print_table(rows)
+    return 0
+
+
+def _row(store: CheckpointStore, info: CheckpointInfo, pointer: str | None) -> tuple[str, ...]:
+    p = info.progress
+    return (
+        info.name,
+        str(p.get("epoch", "")),
+        str(p.get("step", "")),
+        str(p.get("samples_seen", "")),
+        f"{info.size_bytes / 1e6:.1f}",
+        "no" if store.check(info) else "yes",
+        "*" if info.name == pointer else "",
+    )
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
-    if len(rows) == 1:
-        print(f"(no checkpoints in {store.uri})")
-    return 0
 
 
 def cmd_verify(args, options) -> int:
@@ -87,12 +117,22 @@ def _parser() -> argparse.ArgumentParser:
     options.add_argument("--storage-options", default=argparse.SUPPRESS, help="fsspec options as JSON (never printed)")
     parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (never printed)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
+    ls = sub.add_parser(
         "ls",
         parents=[options],
         help="list a run's checkpoints ('verified': every file there with the "
         "size its manifest gives; verify also checks sha256)",
-    ).add_argument("uri")
+    )
+    ls.add_argument("uri")
+    ls.add_argument(
+        "--best",
+        metavar="METRIC",
+        help="only the checkpoints that report this unit metric (e.g. loss), best first, with its value; "
+        "checkpoints set aside by a roll-back are left out",
+    )
+    ls.add_argument(
+        "--order", choices=("max", "min"), default="max", help="with --best: higher (max, default) or lower is better"
+    )
     verify = sub.add_parser("verify", parents=[options], help="check every file's sha256; exit 1 if any is bad")
     verify.add_argument("uri")
     verify.add_argument("--name", help="verify only this checkpoint of the run")

@@ -421,6 +421,14 @@ class CheckpointStore:
                 log.warning("%s/%s/%s is unreadable (%s); ignoring it", self.uri, ROLLBACKS, fname, exc)
         return found
 
+    def set_aside(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[str]:
+        """Names of the checkpoints that roll-backs set aside (kept, never candidates), in the order of ``infos``
+        (default: ``list()``, oldest first)."""
+        rollbacks = self.rollbacks()
+        if not rollbacks:
+            return []
+        return [i.name for i in (self.list() if infos is None else infos) if _rolled_back(i, rollbacks)]
+
     def roll_back(self, to: str, writer: Writer) -> builtins.list[str]:
         """Makes checkpoint ``to`` the run's newest: checkpoints of older writers that got further stop being
         candidates (recorded under rollbacks/, never deleted). Returns their names. ``to`` must verify deeply."""
@@ -429,6 +437,11 @@ class CheckpointStore:
         if info is None or problems:
             raise NotACheckpointError(
                 f"resume_from={to!r}: no checkpoint of that name verifies ({'; '.join(problems)})"
+            )
+        if self.set_aside([info]):
+            raise NotACheckpointError(
+                f"resume_from={to!r}: an earlier roll-back set that checkpoint aside, and it cannot be resumed from "
+                f"in this run; start a new run from it with load_path={info.uri!r}"
             )
         self.check_fence(writer)
         later = [i.name for i in self.list() if i.manifest.order > info.manifest.order]

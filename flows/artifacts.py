@@ -156,9 +156,13 @@ class RunReport:
 
     # -- pieces ------------------------------------------------------------------------------------
     def _load_history_from_store(self) -> None:
-        """Units committed before this attempt, by this or an earlier flow run: their manifests' metrics."""
-        for info in self.store.list():
-            self.rows[info.name] = content.manifest_row(info, unit_of(info.progress, self.config))
+        """Units committed before this attempt, by this or an earlier flow run: their manifests' metrics. What a
+        roll-back set aside (resume_from) is not on the run's path any more, and is left out of the curves."""
+        infos = self.store.list()
+        set_aside = set(self.store.set_aside(infos))
+        for info in infos:
+            if info.name not in set_aside:
+                self.rows[info.name] = content.manifest_row(info, unit_of(info.progress, self.config))
 
     def _load_history_from_table(self, metrics_versions: list) -> None:
         """The rows this flow run's killed attempt published (they also have checkpoint seconds and resumed-from)."""

@@ -26,6 +26,7 @@ from training.loop import UnitResult
 from training.preflight import preflight
 from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
 from training.recipe import allow_recipe
+from training.rollback import pending_roll_back, roll_back
 from training.session import open_store
 from training.warm_start import check_load_path
 
@@ -53,6 +54,8 @@ class TrainResult(BaseModel):
     started_from: str
     store: str = ""
     warnings: list[str] = []
+    best_checkpoints: list[str] = []  # URIs, best first by checkpoint_score_attribute (empty without it)
+    best_checkpoint_names: list[str] = []  # the same checkpoints' names
 
 
 @flow(name="train", flow_run_name="{config.run_name}", validate_parameters=True)
@@ -73,11 +76,16 @@ def train(config: TrainConfig) -> TrainResult:
             )
     elif config.load_path:
         _check_load_path(config)
+    rollback_to = pending_roll_back(config, store, log)  # a bad resume_from fails here, before anything is written
     # Claimed before resolving where to start: an older writer's commits after this point are refused.
     generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run.run_count})")
+    if rollback_to:
+        roll_back(store, rollback_to, generation, log)
     start = resolve_start(config, store, log)
     progress = rescaled(Progress.from_dict(start.progress), config.global_batch_size) if start else Progress()
-    warnings = [w for w in [overshoot_warning(config, store, start, progress)] if w]
+    warnings = [
+        w for w in [load_path_warning(config, store, start), overshoot_warning(config, store, start, progress)] if w
+    ]
     for warning in warnings:
         log.warning(warning)
     started_from = f"checkpoint {start.name}" if start else "no checkpoint"
@@ -104,6 +112,7 @@ def train(config: TrainConfig) -> TrainResult:
              ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))  # fmt: skip
     if config.export_on_complete:
         log.info(export_checkpoint(final_uri, config.export_on_complete, storage_options=config.storage_options))
+    best = best_checkpoints(config, store)
     return TrainResult(
         run_name=config.run_name,
         checkpoint=final_uri,
@@ -117,6 +126,8 @@ def train(config: TrainConfig) -> TrainResult:
         started_from=started_from,
         store=store.uri,
         warnings=warnings,
+        best_checkpoints=[i.uri for i in best],
+        best_checkpoint_names=[i.name for i in best],
     )
 
 
@@ -163,6 +174,24 @@ class RepeatGuard:
                 f"instead of retraining the same data; check the store: python -m checkpointing verify "
                 f"{result.checkpoint.rsplit('/checkpoints/', 1)[0]}"
             )
+
+
+def best_checkpoints(config: TrainConfig, store: CheckpointStore) -> list[CheckpointInfo]:
+    """Ray's ``Result.best_checkpoints``: the run's checkpoints by checkpoint_score_attribute, best first."""
+    if not config.checkpoint_score_attribute:
+        return []
+    return store.best(config.checkpoint_score_attribute, config.checkpoint_score_order)
+
+
+def load_path_warning(config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None) -> str:
+    """load_path only starts a run: once the run has checkpoints it resumes from them, and is told so."""
+    if start is None or not config.load_path:
+        return ""
+    return (
+        f"load_path={config.load_path!r} is ignored: run {config.run_name!r} already has checkpoints and resumes "
+        f"from its checkpoint {start.name}. To start from load_path, choose a new run_name; to go back to an "
+        f"earlier checkpoint of this run, set resume_from=<checkpoint name> (python -m checkpointing ls {store.uri})"
+    )
 
 
 def overshoot_warning(config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None, p: Progress) -> str:

@@ -98,6 +98,10 @@ def _url(option: str):
     return AfterValidator(lambda v: v if v is None else check_store_url(v, option))
 
 
+def _checkpoint_name(option: str):
+    return AfterValidator(lambda v: v if v is None else validate_name(v, option))
+
+
 def _finite(option: str, low: float, high: float):
     def check(v: float) -> float:
         if not math.isfinite(v) or not low <= v <= high:
@@ -184,8 +188,16 @@ class TrainConfig(BaseSettings):
     )
     load_path: Annotated[str | None, _url("load_path")] = Field(
         None,
-        description="Where to start when the run has no checkpoint yet: a checkpoint or run folder URI, or a weights "
-        "file URI (a state_dict, an export, a Composer or Lightning checkpoint, .safetensors).",
+        description="Where to start when the run has no checkpoint yet (ignored, with a warning, once it has): a "
+        "checkpoint or run folder URI, or a weights file URI (a state_dict, an export, a Composer or Lightning "
+        "checkpoint, .safetensors).",
+    )
+    resume_from: Annotated[str | None, _checkpoint_name("resume_from")] = Field(
+        None,
+        description="Roll the run back: continue it from this checkpoint of the run (a name as "
+        "'python -m checkpointing ls' shows it); later checkpoints stop being candidates (recorded in the run "
+        "under rollbacks/, never deleted). Applied once: a relaunch or restart with the same value continues "
+        "from the newest checkpoint.",
     )
     load_weights_only: bool = Field(
         False,
@@ -347,6 +359,11 @@ class TrainConfig(BaseSettings):
             raise ValueError(
                 f"eval_each_unit=True and eval_interval={self.eval_interval!r} both set how often to evaluate: "
                 f"keep eval_interval"
+            )
+        if self.resume_from and not self.autoresume:
+            raise ValueError(
+                f"resume_from={self.resume_from!r} continues the run from that checkpoint, and autoresume=False "
+                f"refuses a run that has checkpoints: drop one of them"
             )
         if (self.load_ignore_keys or not self.load_strict) and not self.load_path:
             raise ValueError("load_strict and load_ignore_keys apply to load_path: set load_path, or leave them out")

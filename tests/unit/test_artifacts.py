@@ -193,3 +193,28 @@ def test_an_unreachable_prefect_api_costs_warnings_never_the_run(tmp_path, caplo
     assert warnings[0].endswith("publishing none for 60 s")  # so the next units do not pay for the API again
     assert len(warnings) == 1
     assert (tmp_path / "offline" / "loss.svg").read_text().startswith("<svg")  # the store's copy is still written
+
+
+@pytest.mark.filterwarnings("ignore:Artifact creation outside of a flow:FutureWarning")
+def test_the_curves_leave_out_what_a_roll_back_set_aside(tmp_path):
+    import logging
+
+    import torch
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from checkpointing import CheckpointStore, Writer
+    from flows.artifacts import RunReport
+
+    store = CheckpointStore(str(tmp_path), "rolled")
+    names = []
+    for n in range(4):
+        u = unit(n, 1.0 - n / 10)
+        names.append(u.checkpoint_name)
+        store.save(u.checkpoint_name, {"state.pt": {"w": torch.zeros(2)}}, progress=u.progress,
+                   metadata={"metrics": u.metrics}, writer=Writer.current(1))  # fmt: skip
+    store.roll_back(names[1], Writer.current(2))
+    config = TrainConfig(run_name="rolled", save_folder=str(tmp_path), max_duration="4ep", global_batch_size=32)
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
+        report = RunReport(config, store, store.latest(), logging.getLogger("test-report"))
+
+    assert list(report.rows) == names[:2]

@@ -127,3 +127,65 @@ def test_ls_and_verify_import_neither_torch_nor_prefect(run, command):
     packages = imported_modules(command, run.uri)
     assert "fsspec" in packages
     assert not packages & {"torch", "prefect", "numpy", "flows", "tasks", "training"}
+
+
+@pytest.fixture
+def scored(tmp_path):
+    """A run whose checkpoints report a loss that does not fall steadily (best-first is not newest-first)."""
+    store = CheckpointStore(str(tmp_path / "runs"), "scored")
+    for i, loss in enumerate([0.9, 0.25, 0.5]):
+        store.save(
+            f"ep{i + 1}-ba{8 * (i + 1)}-sa{256 * (i + 1)}",
+            {"state.pt": {"state": {"model": {"w": torch.full((4,), float(i))}}}},
+            progress={"epoch": i + 1, "step": 8 * (i + 1), "samples_seen": 256 * (i + 1)},
+            metadata={"metrics": {"loss": loss, "samples_per_second": 100.0 * (i + 1)}},
+            writer=Writer.current(1),
+        )
+    return store
+
+
+def test_ls_best_lists_the_checkpoints_reporting_the_metric_best_first_with_its_value(scored):
+    lowest = cli("ls", scored.uri, "--best", "loss", "--order", "min")
+    assert lowest.returncode == 0, lowest.stderr
+    rows = [line.split() for line in lowest.stdout.splitlines()]
+    assert rows[0] == ["name", "loss", "epoch", "step", "samples", "size", "MB", "verified", "latest"]
+    assert [r[:2] for r in rows[1:]] == [
+        ["ep2-ba16-sa512", "0.25"],
+        ["ep3-ba24-sa768", "0.5"],
+        ["ep1-ba8-sa256", "0.9"],
+    ]
+    assert rows[2][-1] == "*"  # the one latest names is still marked
+
+    highest = cli("ls", scored.uri, "--best", "loss")  # max is the default, as for checkpoint_score_order
+    assert highest.returncode == 0, highest.stderr
+    assert [line.split()[0] for line in highest.stdout.splitlines()[1:]] == [
+        "ep1-ba8-sa256",
+        "ep3-ba24-sa768",
+        "ep2-ba16-sa512",
+    ]
+
+
+def test_ls_best_with_a_metric_no_checkpoint_reports_fails_with_one_line_and_exit_2(scored, tmp_path):
+    out = cli("ls", scored.uri, "--best", "accuracy")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        f"error: no checkpoint in {scored.uri} reports metric 'accuracy' (they report: loss, samples_per_second)\n"
+    )
+    empty = cli("ls", str(tmp_path / "runs" / "nothing"), "--best", "loss")
+    assert empty.returncode == 2 and len(empty.stderr.splitlines()) == 1
+
+
+def test_ls_marks_checkpoints_a_roll_back_set_aside_and_best_leaves_them_out(scored):
+    scored.roll_back("ep1-ba8-sa256", Writer.current(2))
+    listed = cli("ls", scored.uri)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[-1] == (
+        "(set aside by a roll-back: kept, never resumed from: ep2-ba16-sa512, ep3-ba24-sa768)"
+    )
+    best = cli("ls", scored.uri, "--best", "loss", "--order", "min")
+    assert [line.split()[0] for line in best.stdout.splitlines()[1:]] == ["ep1-ba8-sa256"]
+
+
+def test_ls_best_imports_neither_torch_nor_prefect(scored):
+    packages = imported_modules("ls", scored.uri, "--best", "loss")
+    assert not packages & {"torch", "prefect", "numpy", "flows", "tasks", "training"}
