@@ -21,6 +21,8 @@ from flows.server import prefect_api
 from training.config import ConfigError, TrainConfig, describe_error, load_config
 from training.preflight import preflight
 from training.recipe import allow_recipe
+from training.rollback import pending_roll_back
+from training.session import open_store
 from training.warm_start import check_before_start
 
 VERBOSE_FLAGS = ("--verbose", "-v")
@@ -36,6 +38,8 @@ def run(flow: Callable[[TrainConfig], Any], argv: list[str], done: Callable[[Any
             allow_recipe(config.recipe)
         preflight(config)  # a bad recipe or recipe_args fails before a Prefect server is even started
         check_before_start(config)  # ... and so does a load_path that does not fit the model
+        if config.resume_from:  # ... and a resume_from that names no checkpoint of the run (reads only)
+            pending_roll_back(config, open_store(config), logging.getLogger(__name__))
     except ValidationError as exc:
         lines = describe_error(exc)
         return _fail(lines if "\n" not in lines else f"invalid configuration:\n{lines}", 2)
@@ -43,6 +47,8 @@ def run(flow: Callable[[TrainConfig], Any], argv: list[str], done: Callable[[Any
         return _fail(_settings_error(exc, argv), 2)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    except (CheckpointError, StorageError) as exc:
+        return _fail(f"run {config.run_name!r}: {exc}", 1)
     try:
         with prefect_api():
             if not verbose:
