@@ -8,12 +8,10 @@ rename and no symlink, so the commit protocol in ``store.py`` never relies on on
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
@@ -27,6 +25,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from checkpointing.hashing import BackgroundSha256
 from checkpointing.localfs import LocalFiles
 from checkpointing.protocols import with_endpoint_alias
 
@@ -72,7 +71,6 @@ _TRANSIENT_WORDS = (
 )
 _TRANSIENT_STATUS_TEXT = re.compile(r"\b(500|502|503|504|429)\b")
 _CHUNK = 16 * 1024 * 1024
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-hash")
 _TRANSIENT_ERRNOS = {
     errno.EREMOTEIO,
     errno.EBUSY,
@@ -259,14 +257,10 @@ class Storage:
         one is read (both release the GIL), so verifying costs little more than reading."""
 
         def read() -> tuple[bytes, str]:
-            digest, chunks, pending = hashlib.sha256(), [], None
+            digest, chunks = BackgroundSha256(), []
             for chunk in self._chunks(key):
-                if pending is not None:
-                    pending.result()
                 chunks.append(chunk)
-                pending = _HASHER.submit(digest.update, chunk)
-            if pending is not None:
-                pending.result()
+                digest.submit(chunk)
             return b"".join(chunks), digest.hexdigest()
 
         return self._call(f"get {key}", read)
