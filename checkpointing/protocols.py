@@ -61,13 +61,30 @@ def _well_formed(value: str, option: str) -> str:
         raise ValueError(f"{option}={value[:80]!r}: use a printable path or URL under 1024 characters")
     if "::" in text:
         raise ValueError(f"{option}={value!r}: chained fsspec URLs ('a::b') are not supported; give one store's URL")
-    protocol = text.split("://", 1)[0].lower() if "://" in text else "file"
+    protocol = protocol_of(text)
     if protocol not in SUPPORTED:
         raise ValueError(
             f"{option}={value!r}: protocol {protocol!r} is not supported; use a local path, file://, s3://, "
             f"gs://, az:// or memory://"
         )
     return text
+
+
+def protocol_of(url: str) -> str:
+    """The scheme of ``url`` in lower case (``s3``, ``memory``, ...); ``file`` for a plain path."""
+    text = str(url)
+    return text.split("://", 1)[0].lower() if "://" in text else "file"
+
+
+def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """fsspec's filesystem and path for ``url`` with ``storage_options`` (and the ``S3_ENDPOINT_URL`` alias)."""
+    return fsspec.core.url_to_fs(url, **with_endpoint_alias(url, storage_options))
+
+
+def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for the local disk, where links and special files exist and must not be followed."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return bool({"file", "local"} & set(protocols))
 
 
 def with_endpoint_alias(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from tenacity import (
 
 from checkpointing.hashing import BackgroundSha256
 from checkpointing.localfs import LocalFiles
-from checkpointing.protocols import with_endpoint_alias
+from checkpointing.protocols import is_local_fs, protocol_of, with_endpoint_alias
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -193,12 +193,12 @@ class Storage:
             url = os.path.abspath(url)
         self.url = url.rstrip("/")
         self.retry = retry or RetrySettings()
-        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        protocol = protocol_of(self.url)
         options = _with_single_retry_layer(protocol, with_endpoint_alias(self.url, storage_options), self.retry)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         self.root = self.root.rstrip("/")
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        self.is_local = self.protocol in ("file", "local")
+        self.is_local = is_local_fs(self.fs)
         self.local: LocalFiles | None = None
         if self.is_local:
             base = os.path.abspath(fsspec.core.url_to_fs(anchor)[1]) if anchor else self.root
