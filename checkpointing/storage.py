@@ -246,11 +246,16 @@ class Storage:
 
         return self._call(f"create {key}", create_remote, missing_is_error=True)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; with ``max_bytes``, no more than ``max_bytes + 1`` of them are read (a caller
+        that gets more than ``max_bytes`` knows the object is too big without having read it all)."""
+        limit = None if max_bytes is None else max_bytes + 1
         local = self.local
         if local is not None:
-            return self._call(f"get {key}", lambda: b"".join(local.read(key)))
-        return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
+            return self._call(f"get {key}", lambda: _first_bytes(local.read(key), limit))
+        if limit is None:
+            return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
+        return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key), start=0, end=limit))
 
     def get_hashed(self, key: str) -> tuple[bytes, str]:
         """Reads an object once and its sha256: each chunk is hashed on a helper thread while the next
@@ -364,6 +369,17 @@ class Storage:
             ) from exc
         except Exception as exc:
             raise _storage_error(what, self.uri(), exc, self.is_local) from exc
+
+
+def _first_bytes(chunks: Iterator[bytes], limit: int | None) -> bytes:
+    if limit is None:
+        return b"".join(chunks)
+    head = bytearray()
+    for chunk in chunks:
+        head += chunk[: limit - len(head)]
+        if len(head) >= limit:
+            break
+    return bytes(head)
 
 
 def _storage_error(what: str, uri: str, exc: Exception, is_local: bool) -> StorageError:
