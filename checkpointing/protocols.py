@@ -31,8 +31,8 @@ def check_store_url(url: str, option: str = "save_folder") -> str:
     """Returns ``url`` (stripped) if it is a local path or a URL of a supported store that fsspec can open here;
     else a ValueError naming the option and the fix."""
     url = _well_formed(url, option)
-    protocol, _ = fsspec.core.split_protocol(str(url))
-    if protocol is None or protocol in ("file", "local", "memory"):
+    protocol = protocol_of(url)
+    if protocol in ("file", "local", "memory"):
         return url
     try:
         fsspec.get_filesystem_class(protocol)
@@ -72,8 +72,7 @@ def _well_formed(value: str, option: str) -> str:
 
 def protocol_of(url: str) -> str:
     """The scheme of ``url`` in lower case (``s3``, ``memory``, ...); ``file`` for a plain path."""
-    text = str(url)
-    return text.split("://", 1)[0].lower() if "://" in text else "file"
+    return (fsspec.core.split_protocol(str(url))[0] or "file").lower()
 
 
 def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -92,7 +91,7 @@ def with_endpoint_alias(url: str, storage_options: dict[str, Any] | None) -> dic
     the options nor the AWS variables name one. Never logs (options may hold credentials)."""
     options = dict(storage_options or {})
     endpoint = os.environ.get("S3_ENDPOINT_URL")
-    if not endpoint or fsspec.core.split_protocol(str(url))[0] not in _S3:
+    if not endpoint or protocol_of(url) not in _S3:
         return options
     client_kwargs = dict(options.get("client_kwargs") or {})
     configured = (
