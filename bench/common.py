@@ -18,8 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+import deployments.local_s3 as local_s3_server
+from flows.server import free_port
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 OUT = Path(__file__).with_name("out")  # profiles and scratch files (git-ignored)
@@ -122,43 +124,24 @@ def isolate_prefect() -> str:
     return home
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_MOTO = """
-import logging, sys, threading
-from moto.server import ThreadedMotoServer
-logging.getLogger("werkzeug").setLevel(logging.ERROR)
-ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False).start()
-threading.Event().wait()
-"""
-AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "bench",
-    "AWS_SECRET_ACCESS_KEY": "bench-secret",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-}
-
-
 class LocalS3:
-    """moto's ThreadedMotoServer on a free loopback port, in a child process of its own.
+    """``make s3``'s moto server (deployments/local_s3.py) on a free loopback port, in a child process of its own.
 
     In its own process the server does not hold this process's GIL while it parses an upload, which is
     closer to a store on another machine; it still shares the 2 cores with training."""
 
     def __init__(self) -> None:
-        os.environ.update(AWS_ENV)
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        os.environ.update(local_s3_server.fake_aws_env("bench", "bench-secret"))
+        for key in local_s3_server.AWS_UNSET:
             os.environ.pop(key, None)
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.options = {"client_kwargs": {"endpoint_url": self.endpoint}}
+        self.server = local_s3_server.LocalS3(free_port())
+        self.port, self.endpoint, self.options = self.server.port, self.server.endpoint, self.server.storage_options
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _MOTO, str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [sys.executable, "-m", "deployments.local_s3"],
+            cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, "LOCAL_S3_PORT": str(self.port)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 60
         while True:
@@ -172,14 +155,7 @@ class LocalS3:
 
     def fresh_bucket(self, name: str) -> str:
         """Empties the server (frees the memory of earlier runs) and creates bucket ``name``: its URL."""
-        import s3fs
-
-        urllib.request.urlopen(
-            urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST"), timeout=60
-        ).read()
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem(**self.options).mkdir(name)
-        return f"s3://{name}"
+        return self.server.fresh_bucket(name)
 
     @property
     def pid(self) -> int:

@@ -14,7 +14,6 @@ duration of a ``with`` block; nothing is patched outside it. See bench/RESULTS.m
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 from collections.abc import Iterable
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 import checkpointing.store as store_module
 import training.session as session_module
+from checkpointing.hashing import in_background, sha256_hex
 from checkpointing.store import CheckpointInfo, CorruptCheckpointError, LoadedCheckpoint, safe_load
 
 
@@ -44,7 +44,7 @@ def load_hashing_while_unpickling(
             raise CorruptCheckpointError(f"{info.uri}/{fname}: missing") from exc
         if len(data) != entry.size:
             raise CorruptCheckpointError(f"{info.uri}/{fname}: {len(data)} bytes, manifest says {entry.size}")
-        digest = store_module._HASHER.submit(lambda d=data: hashlib.sha256(d).hexdigest())
+        digest = in_background(sha256_hex, data)
         try:
             obj, error = safe_load(data, f"{info.uri}/{fname}"), None
         except Exception as exc:

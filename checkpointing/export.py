@@ -23,11 +23,10 @@ import os
 import tempfile
 from typing import Any
 
-import fsspec
 import safetensors.torch
 import torch
 
-from checkpointing.protocols import with_endpoint_alias
+from checkpointing.protocols import is_local_fs, open_url
 from checkpointing.storage import Storage
 from checkpointing.store import (
     STATE_FILE,
@@ -125,9 +124,8 @@ def write_file(uri: str, data: bytes, storage_options: dict[str, Any] | None = N
     """Writes a whole file. Locally through a temporary file and a rename: a reader never sees half a file,
     and an existing symlink or FIFO at the name is replaced, never written through. Object stores put the
     object whole (retried like every store call)."""
-    fs, path = fsspec.core.url_to_fs(uri, **with_endpoint_alias(uri, storage_options))
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
-    if not {"file", "local"} & set(protocols):
+    fs, path = open_url(uri, storage_options)
+    if not is_local_fs(fs):
         Storage(uri, storage_options).put("", data)
         return
     if os.path.isdir(path):

@@ -12,7 +12,6 @@ who can write the bucket; what keeps such a person from running code is ``weight
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from checkpointing.hashing import sha256_hex
+
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -28,10 +29,6 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 class ManifestError(ValueError):
     """A manifest is missing, torn, altered or of a format this code cannot read."""
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)

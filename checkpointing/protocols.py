@@ -31,8 +31,8 @@ def check_store_url(url: str, option: str = "save_folder") -> str:
     """Returns ``url`` (stripped) if it is a local path or a URL of a supported store that fsspec can open here;
     else a ValueError naming the option and the fix."""
     url = _well_formed(url, option)
-    protocol, _ = fsspec.core.split_protocol(str(url))
-    if protocol is None or protocol in ("file", "local", "memory"):
+    protocol = protocol_of(url)
+    if protocol in ("file", "local", "memory"):
         return url
     try:
         fsspec.get_filesystem_class(protocol)
@@ -61,7 +61,7 @@ def _well_formed(value: str, option: str) -> str:
         raise ValueError(f"{option}={value[:80]!r}: use a printable path or URL under 1024 characters")
     if "::" in text:
         raise ValueError(f"{option}={value!r}: chained fsspec URLs ('a::b') are not supported; give one store's URL")
-    protocol = text.split("://", 1)[0].lower() if "://" in text else "file"
+    protocol = protocol_of(text)
     if protocol not in SUPPORTED:
         raise ValueError(
             f"{option}={value!r}: protocol {protocol!r} is not supported; use a local path, file://, s3://, "
@@ -70,12 +70,28 @@ def _well_formed(value: str, option: str) -> str:
     return text
 
 
+def protocol_of(url: str) -> str:
+    """The scheme of ``url`` in lower case (``s3``, ``memory``, ...); ``file`` for a plain path."""
+    return (fsspec.core.split_protocol(str(url))[0] or "file").lower()
+
+
+def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """fsspec's filesystem and path for ``url`` with ``storage_options`` (and the ``S3_ENDPOINT_URL`` alias)."""
+    return fsspec.core.url_to_fs(url, **with_endpoint_alias(url, storage_options))
+
+
+def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for the local disk, where links and special files exist and must not be followed."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return bool({"file", "local"} & set(protocols))
+
+
 def with_endpoint_alias(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """``storage_options`` for ``url``, plus ``S3_ENDPOINT_URL`` as the endpoint of an s3:// URL when neither
     the options nor the AWS variables name one. Never logs (options may hold credentials)."""
     options = dict(storage_options or {})
     endpoint = os.environ.get("S3_ENDPOINT_URL")
-    if not endpoint or fsspec.core.split_protocol(str(url))[0] not in _S3:
+    if not endpoint or protocol_of(url) not in _S3:
         return options
     client_kwargs = dict(options.get("client_kwargs") or {})
     configured = (

@@ -50,10 +50,11 @@ from checkpointing.store import (
     CheckpointStore,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    read_vouched,
     safe_load,
     validate_file_name,
 )
-from checkpointing.streaming import HashingWriter, open_for_write, read_vouched, write_object
+from checkpointing.streaming import HashingWriter, open_for_write, write_object
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,10 @@ rename and no symlink, so the commit protocol in ``store.py`` never relies on on
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
@@ -27,8 +25,9 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from checkpointing.hashing import BackgroundSha256
 from checkpointing.localfs import LocalFiles
-from checkpointing.protocols import with_endpoint_alias
+from checkpointing.protocols import is_local_fs, protocol_of, with_endpoint_alias
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,7 +71,6 @@ _TRANSIENT_WORDS = (
 )
 _TRANSIENT_STATUS_TEXT = re.compile(r"\b(500|502|503|504|429)\b")
 _CHUNK = 16 * 1024 * 1024
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-hash")
 _TRANSIENT_ERRNOS = {
     errno.EREMOTEIO,
     errno.EBUSY,
@@ -195,12 +193,12 @@ class Storage:
             url = os.path.abspath(url)
         self.url = url.rstrip("/")
         self.retry = retry or RetrySettings()
-        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        protocol = protocol_of(self.url)
         options = _with_single_retry_layer(protocol, with_endpoint_alias(self.url, storage_options), self.retry)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         self.root = self.root.rstrip("/")
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        self.is_local = self.protocol in ("file", "local")
+        self.is_local = is_local_fs(self.fs)
         self.local: LocalFiles | None = None
         if self.is_local:
             base = os.path.abspath(fsspec.core.url_to_fs(anchor)[1]) if anchor else self.root
@@ -248,25 +246,26 @@ class Storage:
 
         return self._call(f"create {key}", create_remote, missing_is_error=True)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; with ``max_bytes``, no more than ``max_bytes + 1`` of them are read (a caller
+        that gets more than ``max_bytes`` knows the object is too big without having read it all)."""
+        limit = None if max_bytes is None else max_bytes + 1
         local = self.local
         if local is not None:
-            return self._call(f"get {key}", lambda: b"".join(local.read(key)))
-        return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
+            return self._call(f"get {key}", lambda: _first_bytes(local.read(key), limit))
+        if limit is None:
+            return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
+        return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key), start=0, end=limit))
 
     def get_hashed(self, key: str) -> tuple[bytes, str]:
         """Reads an object once and its sha256: each chunk is hashed on a helper thread while the next
         one is read (both release the GIL), so verifying costs little more than reading."""
 
         def read() -> tuple[bytes, str]:
-            digest, chunks, pending = hashlib.sha256(), [], None
+            digest, chunks = BackgroundSha256(), []
             for chunk in self._chunks(key):
-                if pending is not None:
-                    pending.result()
                 chunks.append(chunk)
-                pending = _HASHER.submit(digest.update, chunk)
-            if pending is not None:
-                pending.result()
+                digest.submit(chunk)
             return b"".join(chunks), digest.hexdigest()
 
         return self._call(f"get {key}", read)
@@ -370,6 +369,17 @@ class Storage:
             ) from exc
         except Exception as exc:
             raise _storage_error(what, self.uri(), exc, self.is_local) from exc
+
+
+def _first_bytes(chunks: Iterator[bytes], limit: int | None) -> bytes:
+    if limit is None:
+        return b"".join(chunks)
+    head = bytearray()
+    for chunk in chunks:
+        head += chunk[: limit - len(head)]
+        if len(head) >= limit:
+            break
+    return bytes(head)
 
 
 def _storage_error(what: str, uri: str, exc: Exception, is_local: bool) -> StorageError:

@@ -23,13 +23,13 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.fencing import Fence, FencedError
+from checkpointing.hashing import in_background, sha256_hex
 from checkpointing.localfs import NOT_A_FILE
-from checkpointing.manifest import MANIFEST, FileEntry, Manifest, ManifestError, Writer, describe, sha256_hex
+from checkpointing.manifest import MANIFEST, FileEntry, Manifest, ManifestError, Writer, describe
 from checkpointing.serialization import CheckpointError, UnsafeCheckpointError, safe_load, serialize
 from checkpointing.storage import RetrySettings, Storage
 
@@ -42,7 +42,6 @@ ROLLBACKS = "rollbacks"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FILE = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,127}$")
 _SAMPLES_IN_NAME = re.compile(r"-sa(\d+)(?:-g\d+)?$")
-_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-hash")
 
 __all__ = [
     "CheckpointError",
@@ -179,23 +178,11 @@ class CheckpointStore:
             entry = info.manifest.files.get(fname)
             if entry is None:
                 continue
-            data, digest = self._read_verified(info, fname)
-            if len(data) != entry.size or digest != entry.sha256:
-                raise CorruptCheckpointError(
-                    f"{info.uri}/{fname}: {len(data)} bytes, sha256 {digest[:12]}… does not match the "
-                    f"manifest ({entry.size} bytes, {entry.sha256[:12]}…)"
-                )
+            data = read_vouched(self.storage, f"{self._key(info.name)}/{fname}", entry)
             objects[fname] = safe_load(data, f"{info.uri}/{fname}")
         if STATE_FILE in objects:
             _cross_check_progress(info, objects[STATE_FILE])
         return LoadedCheckpoint(info=info, objects=objects)
-
-    def _read_verified(self, info: CheckpointInfo, fname: str) -> tuple[bytes, str]:
-        """One read of a file and its sha256, hashed while reading (never a second pass over the store)."""
-        try:
-            return self.storage.get_hashed(f"{self._key(info.name)}/{fname}")
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{info.uri}/{fname}: missing ({exc})") from exc
 
     def load_latest(self, files: Iterable[str] | None = None) -> LoadedCheckpoint | None:
         """Loads the newest good checkpoint, falling back past any whose files fail verification."""
@@ -297,7 +284,7 @@ class CheckpointStore:
         self.check_fence(writer)
         prefix = self._key(name)
         self._in_flight.add(name)
-        entries = {f: _HASHER.submit(describe, d) for f, d in blobs.items()}  # hashed while the files upload
+        entries = {f: in_background(describe, d) for f, d in blobs.items()}  # hashed while the files upload
         try:
             self.storage.delete(f"{prefix}/{MANIFEST}")  # a re-save first un-commits the old copy
             for fname, data in blobs.items():
@@ -473,6 +460,21 @@ class CheckpointStore:
             log.warning("checkpoint %s: %s", self.storage.uri(self._key(name)), exc)
             return None
         return CheckpointInfo(name, self.storage.uri(self._key(name)), manifest, sha256_hex(body))
+
+
+def read_vouched(storage: Storage, key: str, entry: FileEntry) -> bytes:
+    """Reads ``key`` once, hashing as it arrives; CorruptCheckpointError unless size and sha256 match ``entry``.
+    A local link or special file reads as missing."""
+    try:
+        data, digest = storage.get_hashed(key)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{storage.uri(key)}: missing ({exc})") from exc
+    if len(data) != entry.size or digest != entry.sha256:
+        raise CorruptCheckpointError(
+            f"{storage.uri(key)}: {len(data)} bytes, sha256 {digest[:12]}… does not match the manifest "
+            f"({entry.size} bytes, {entry.sha256[:12]}…)"
+        )
+    return data
 
 
 def _may_be_past(name: str, head: str, head_samples: int) -> bool:

@@ -13,21 +13,19 @@ Files are opened through the store's ``Storage``, so a local run folder's links 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any, cast
 
 import torch
 
+from checkpointing.hashing import BackgroundSha256
 from checkpointing.manifest import FileEntry, Writer
 from checkpointing.storage import Storage
 from checkpointing.store import (
     CHECKPOINTS,
     CheckpointInfo,
     CheckpointStore,
-    CorruptCheckpointError,
     validate_file_name,
 )
 
@@ -40,7 +38,6 @@ _OVERLAP = 1024 * 1024  # writes this big hash on a helper thread while the byte
 _MIB = 1024 * 1024
 _MIN_BLOCK, _UNKNOWN_SIZE_BLOCK, _MAX_PARTS = 8 * _MIB, 64 * _MIB, 9000  # 10% spare below S3's 10,000
 _SLICE = 2 * _MIB
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-stream-hash")
 
 
 class HashingWriter:
@@ -52,7 +49,7 @@ class HashingWriter:
     def __init__(self, raw: IO[bytes]):
         self.raw = raw
         self.size = 0
-        self._digest = hashlib.sha256()
+        self._digest = BackgroundSha256()
 
     def writable(self) -> bool:
         return True
@@ -61,10 +58,10 @@ class HashingWriter:
         view = memoryview(data).cast("B")
         if len(view) >= _OVERLAP:
             # The caller may reuse its buffer once write returns: the hash is awaited before returning.
-            pending = _HASHER.submit(self._digest.update, view)
+            self._digest.submit(view)
             for start in range(0, len(view), _SLICE):
                 self.raw.write(view[start : start + _SLICE])
-            pending.result()
+            self._digest.wait()
         else:
             self._digest.update(view)
             self.raw.write(view)
@@ -107,21 +104,6 @@ def open_for_write(storage: Storage, key: str, size_hint: int | None = None) -> 
     written through (see checkpointing/localfs.py)."""
     with storage.open_write(key, block_size=remote_block_size(size_hint)) as f:
         yield f
-
-
-def read_vouched(storage: Storage, key: str, entry: FileEntry) -> bytes:
-    """Reads ``key`` once, hashing as it arrives; CorruptCheckpointError unless size and sha256 match ``entry``.
-    A local link or special file reads as missing."""
-    try:
-        data, digest = storage.get_hashed(key)
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{storage.uri(key)}: missing ({exc})") from exc
-    if len(data) != entry.size or digest != entry.sha256:
-        raise CorruptCheckpointError(
-            f"{storage.uri(key)}: {len(data)} bytes, sha256 {digest[:12]}… does not match the manifest "
-            f"({entry.size} bytes, {entry.sha256[:12]}…)"
-        )
-    return data
 
 
 def write_object(storage: Storage, key: str, obj: Any) -> FileEntry:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpointing.manifest import Writer
-from checkpointing.store import CheckpointInfo, CheckpointStore
+from checkpointing.store import CHECKPOINTS, CheckpointInfo, CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class CommitRequest:
 
     @property
     def uri(self) -> str:
-        return self.store.storage.uri(f"checkpoints/{self.name}")
+        return self.store.storage.uri(f"{CHECKPOINTS}/{self.name}")
 
     @property
     def size_bytes(self) -> int:

@@ -23,13 +23,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import safetensors
 import safetensors.torch
 import torch
 
 from checkpointing.manifest import MANIFEST
-from checkpointing.protocols import with_endpoint_alias
+from checkpointing.protocols import is_local_fs, open_url
 from checkpointing.store import CheckpointError, UnsafeCheckpointError
 
 WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
@@ -86,8 +85,8 @@ def is_weights_file(uri: str, storage_options: dict[str, Any] | None = None) -> 
     uri = str(uri).rstrip("/")
     if uri.endswith(f"/{MANIFEST}"):
         return False
-    fs, path = fsspec.core.url_to_fs(uri, **with_endpoint_alias(uri, storage_options))
-    if _is_local(fs):
+    fs, path = open_url(uri, storage_options)
+    if is_local_fs(fs):
         if os.path.lexists(path):
             return not os.path.isdir(path)
     elif fs.isfile(path):
@@ -209,14 +208,9 @@ def default_max_bytes() -> int:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
-    return bool({"file", "local"} & set(protocols))
-
-
 def _read_bounded(uri: str, storage_options: dict[str, Any] | None, where: str, max_bytes: int) -> bytes:
-    fs, path = fsspec.core.url_to_fs(uri, **with_endpoint_alias(uri, storage_options))
-    if _is_local(fs):
+    fs, path = open_url(uri, storage_options)
+    if is_local_fs(fs):
         return _read_local(path, where, max_bytes)
     try:
         info = fs.info(path)

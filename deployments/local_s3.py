@@ -1,24 +1,95 @@
-"""A local S3 endpoint (moto's server) on 127.0.0.1 for trying the product against s3:// by hand.
+"""A local S3 endpoint (moto's server) on 127.0.0.1: ``make s3`` for trying the product against s3:// by
+hand, and the one way the tests (tests/conftest.py) and the benchmarks (bench/common.py) start theirs.
 
     make s3        # then, in another terminal, the lines it prints
 
 It runs in the foreground with a bucket ``runs``; Ctrl-C stops it, and everything in it (it is in memory)
 goes with it. s3fs (through botocore) honours AWS_ENDPOINT_URL, so the printed environment is all a
 client needs; TRAIN_STORAGE_OPTIONS='{"client_kwargs": {"endpoint_url": ...}}' does the same per run.
-LOCAL_S3_PORT picks another port than 5555.
+LOCAL_S3_PORT picks another port than 5555. moto and s3fs (the test extra) are imported only when a server
+starts or a bucket is made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from flows.server import free_port
 
 PORT = int(os.environ.get("LOCAL_S3_PORT", "5555"))
 BUCKET = "runs"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# Settings of the user's that would redirect a client of the local endpoint, or lend it real credentials.
+AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
+def fake_aws_env(key: str = "testing", secret: str = "testing") -> dict[str, str]:
+    """Credentials for moto (it takes any) and no AWS config or credentials files of the user's."""
+    return {
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+
+
+@dataclass(frozen=True)
+class LocalS3:
+    """A moto S3 server listening on 127.0.0.1:``port``, and what a client needs to reach it."""
+
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {"client_kwargs": {"endpoint_url": self.endpoint}}
+
+    def reset(self) -> None:
+        """Empties the server: every bucket and object goes (and the memory they held)."""
+        request = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")
+        urllib.request.urlopen(request, timeout=60).read()
+
+    def make_bucket(self, name: str) -> str:
+        """Creates bucket ``name``; its URL."""
+        import s3fs
+
+        s3fs.S3FileSystem(**self.storage_options, skip_instance_cache=True).mkdir(name)
+        return f"s3://{name}"
+
+    def fresh_bucket(self, name: str) -> str:
+        """An emptied server with only bucket ``name``, and no s3fs instance cached from before the reset."""
+        import s3fs
+
+        self.reset()
+        s3fs.S3FileSystem.clear_instance_cache()
+        return self.make_bucket(name)
+
+
+@contextlib.contextmanager
+def serving(port: int | None = None) -> Iterator[LocalS3]:
+    """moto's ThreadedMotoServer on 127.0.0.1:``port`` (a free one by default) in this process's threads."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no log line per request
+    port = port or free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield LocalS3(port)
+    finally:
+        server.stop()
 
 
 def port_is_free(port: int) -> bool:
@@ -48,20 +119,11 @@ def main() -> int:
     if not port_is_free(PORT):
         print(f"error: 127.0.0.1:{PORT} is in use (another `make s3`?); stop it or set LOCAL_S3_PORT", file=sys.stderr)
         return 1
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    os.environ.update(CREDENTIALS)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # keep the lines above readable: no per-request log
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=PORT, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{PORT}"
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).mkdir(BUCKET)
-    print(usage(endpoint), flush=True)
-    try:
+    os.environ.update(fake_aws_env())
+    with serving(PORT) as s3:
+        s3.make_bucket(BUCKET)
+        print(usage(s3.endpoint), flush=True)
         signal.sigwait({signal.SIGINT, signal.SIGTERM})  # Ctrl-C, or a kill, ends the foreground process
-    finally:
-        server.stop()
     return 0
 
 

@@ -83,16 +83,9 @@ def eval_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 def unit_row(result: Any, attempt: int | None) -> dict[str, Any]:
     """The row of a UnitResult (read with .get: fields may be added)."""
-    metrics, progress = dict(result.metrics or {}), dict(result.progress or {})
+    metrics = dict(result.metrics or {})
     return {
-        "unit": result.unit,
-        "checkpoint": result.checkpoint_name,
-        "epoch": progress.get("epoch"),
-        "step": progress.get("step"),
-        "samples": progress.get("samples_seen"),
-        "loss": _number(metrics.get(LOSS)),
-        "eval": eval_metrics(metrics),
-        "samples_per_second": _number(metrics.get("samples_per_second")),
+        **_row(result.unit, result.checkpoint_name, dict(result.progress or {}), metrics),
         "checkpoint_seconds": _number(metrics.get("checkpoint_seconds")),
         "resumed_from": getattr(result, "resumed_from", None),
         "attempt": attempt,
@@ -101,19 +94,26 @@ def unit_row(result: Any, attempt: int | None) -> dict[str, Any]:
 
 def manifest_row(info: Any, unit: int | None) -> dict[str, Any]:
     """The row of a committed checkpoint trained before this flow run attempt (its manifest's metrics)."""
-    metrics, progress = dict(info.manifest.metadata.get("metrics") or {}), dict(info.progress or {})
+    metrics = dict(info.manifest.metadata.get("metrics") or {})
+    return {
+        **_row(unit, info.name, dict(info.progress or {}), metrics),
+        "checkpoint_seconds": None,  # measured after the manifest was written: only the unit's result has it
+        "resumed_from": None,
+        "attempt": None,
+    }
+
+
+def _row(unit: int | None, checkpoint: str, progress: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+    """The columns that a unit's result and a checkpoint's manifest both fill."""
     return {
         "unit": unit,
-        "checkpoint": info.name,
+        "checkpoint": checkpoint,
         "epoch": progress.get("epoch"),
         "step": progress.get("step"),
         "samples": progress.get("samples_seen"),
         "loss": _number(metrics.get(LOSS)),
         "eval": eval_metrics(metrics),
         "samples_per_second": _number(metrics.get("samples_per_second")),
-        "checkpoint_seconds": None,  # measured after the manifest was written: only the unit's result has it
-        "resumed_from": None,
-        "attempt": None,
     }
 
 

@@ -34,6 +34,7 @@ from prefect.runtime import flow_run
 from checkpointing import CheckpointInfo, CheckpointStore
 from flows import artifact_content as content
 from flows.artifact_content import cell, md_code, md_escape
+from flows.restarts import flow_run_attempt
 from flows.run_summary import summary_markdown
 from training.config import TrainConfig
 from training.loop import UnitResult
@@ -109,7 +110,7 @@ class RunReport:
     ):
         self.config, self.store, self.log = config, store, log
         self.paused_until = 0.0
-        self.attempt = flow_run.run_count or 1
+        self.attempt = flow_run_attempt()
         self.started_at = time.monotonic()
         self.progress: dict[str, int] = dict(start.progress) if start else {}
         self.start_samples = self.progress.get("samples_seen", 0)

@@ -1,20 +1,22 @@
 """The command line of the flows (``python -m flows.train``, ``python -m flows.retrain``).
 
 One clear line for every mistake at the terminal, exit 2 for configuration, 1 for a run that did not
-complete; the traceback stays in the Prefect logs (``--verbose`` prints it here too). The recipe named
+complete; the traceback stays in the Prefect logs (``--verbose`` prints it here too). A flow's parameters
+besides ``config`` (retrain's ``--metric``, ...) are flags too, described by a small pydantic model. The recipe named
 on the command line is allowed for this process: the person at the terminal chose it.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import CliSettingsSource, SettingsConfigDict, SettingsError
 
 from checkpointing import CheckpointError, StorageError
 from flows.server import prefect_api
@@ -28,11 +30,15 @@ from training.warm_start import check_before_start
 VERBOSE_FLAGS = ("--verbose", "-v")
 
 
-def run(flow: Callable[[TrainConfig], Any], argv: list[str], done: Callable[[Any], str]) -> int:
-    """Parses ``argv`` into a TrainConfig, runs ``flow`` and prints ``done(result)``; returns the exit code."""
+def run(
+    flow: Callable[..., Any], argv: list[str], done: Callable[[Any], str], options: type[BaseModel] | None = None
+) -> int:
+    """Parses ``argv`` into a TrainConfig (and the flow's own ``options``, passed to it as keyword arguments),
+    runs ``flow`` and prints ``done(result)``; returns the exit code."""
     verbose = any(a in VERBOSE_FLAGS for a in argv)
     argv = [a for a in argv if a not in VERBOSE_FLAGS]
     try:
+        own, argv = flow_options(options, argv)
         config = load_config(argv)
         if ":" in config.recipe:
             allow_recipe(config.recipe)
@@ -53,7 +59,7 @@ def run(flow: Callable[[TrainConfig], Any], argv: list[str], done: Callable[[Any
         with prefect_api():
             if not verbose:
                 quiet_console_tracebacks()
-            result = flow(config)
+            result = flow(config, **own)
     except ConfigError as exc:
         return _fail(str(exc), 2)
     except (CheckpointError, StorageError) as exc:
@@ -63,6 +69,41 @@ def run(flow: Callable[[TrainConfig], Any], argv: list[str], done: Callable[[Any
         return _fail(f"run {config.run_name!r} did not complete: {type(exc).__name__}: {exc}{hint}", 1)
     print(done(result))
     return 0
+
+
+def flow_options(options: type[BaseModel] | None, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Takes the flags of ``options`` (a flow's parameters besides ``config``) out of ``argv``: their values,
+    and the flags left for TrainConfig. ``--help`` lists both under the flow's own command, and exits."""
+    if options is None:
+        return {}, argv
+    if any(a in ("-h", "--help") for a in argv):
+        _print_help(options)
+    names = {f"--{name}" for name in options.model_fields}
+    own: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i].split("=", 1)[0] in names:
+            taken = 1 if "=" in argv[i] else 2
+            own += argv[i : i + taken]
+            i += taken
+        else:
+            rest.append(argv[i])
+            i += 1
+    values = CliSettingsSource(options, cli_parse_args=own, cli_exit_on_error=False)()
+    return options.model_validate(values).model_dump(), rest
+
+
+def _print_help(options: type[BaseModel]) -> None:
+    """The help of TrainConfig's flags and the flow's own, under the flow's command; argparse then exits 0."""
+
+    class FlowFlags(TrainConfig, options):
+        model_config = SettingsConfigDict(
+            **{**TrainConfig.model_config, "cli_prog_name": options.model_config.get("cli_prog_name")}
+        )
+
+    FlowFlags.__doc__ = inspect.cleandoc(options.__doc__ or "")
+    CliSettingsSource(FlowFlags, cli_parse_args=["--help"])
 
 
 def _settings_error(exc: SettingsError, argv: list[str]) -> str:

@@ -3,14 +3,15 @@
 One run per schedule tick. Its run name comes from the tick's scheduled time (``retrain-20261122T0300``),
 which Prefect keeps when it reschedules a crashed run, so a restarted tick resumes its own checkpoints
 instead of starting over. The released model is named by a small pointer object next to the runs,
-``<save_folder>/release.json``, written through the checkpoint store's storage layer (local, s3://,
-memory://): a tick warm-starts from it and rewrites it only when the new model is at least as good.
+``<save_folder>/release.json`` (checkpointing/release.py: read as untrusted, retried like every store call):
+a tick warm-starts from it and rewrites it only when the new model is at least as good.
 
-    python -m flows.retrain --save_folder s3://bucket/runs     # TrainConfig's flags; metric "accuracy"
+    python -m flows.retrain --save_folder s3://bucket/runs --metric accuracy   # and any flag of flows.train
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from datetime import UTC
@@ -19,27 +20,28 @@ from typing import Any
 from prefect import flow
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+from pydantic_settings import SettingsConfigDict
 
-from checkpointing import validate_name
-from checkpointing.storage import Storage
+from checkpointing import RetrySettings, validate_name
+from checkpointing.release import Release, ReleaseFile
 from flows import cli
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 
-RELEASE = "release.json"
+
+class RetrainOptions(BaseModel):
+    """One tick of scheduled retraining: warm-start from <save_folder>/release.json, train, and promote the
+    new model only if its metric is not worse."""
+
+    model_config = SettingsConfigDict(extra="forbid", cli_prog_name="python -m flows.retrain")
+
+    metric: str = Field("accuracy", description="The evaluation metric that decides the promotion.")
+    higher_is_better: bool = Field(True, description="Whether a higher metric is better (false: lower, e.g. loss).")
+    run_prefix: str = Field("retrain", description="A tick's run is named <run_prefix>-<scheduled time, UTC>.")
 
 
-class Release(BaseModel):
-    """The promoted model: which checkpoint, and how it scored."""
-
-    run_name: str
-    checkpoint: str
-    metric: str
-    value: float
-    metrics: dict[str, float]
-    promoted_at: float
-    flow_run_id: str | None = None
+DEFAULTS = RetrainOptions()
 
 
 class RetrainResult(BaseModel):
@@ -54,21 +56,10 @@ class RetrainResult(BaseModel):
     reason: str
 
 
-def release_storage(config: TrainConfig) -> Storage:
-    return Storage(config.save_folder, config.storage_options)
-
-
-def read_release(config: TrainConfig) -> Release | None:
-    """The current release of ``config.save_folder``, or None before the first promotion."""
-    storage = release_storage(config)
-    try:
-        return Release.model_validate_json(storage.get(RELEASE))
-    except FileNotFoundError:
-        return None
-
-
-def write_release(config: TrainConfig, release: Release) -> None:
-    release_storage(config).put(RELEASE, release.model_dump_json(indent=1).encode())
+def release_file(config: TrainConfig) -> ReleaseFile:
+    """``<save_folder>/release.json``, with the run's storage options and store retry settings."""
+    retry = RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
+    return ReleaseFile(config.save_folder, storage_options=config.storage_options, retry=retry)
 
 
 def tick_run_name(prefix: str) -> str:
@@ -83,14 +74,17 @@ def is_not_worse(new: float, old: float, higher_is_better: bool) -> bool:
 
 @flow(name="retrain", validate_parameters=True)
 def retrain(
-    config: TrainConfig, metric: str = "accuracy", higher_is_better: bool = True, run_prefix: str = "retrain"
+    config: TrainConfig,
+    metric: str = DEFAULTS.metric,
+    higher_is_better: bool = DEFAULTS.higher_is_better,
+    run_prefix: str = DEFAULTS.run_prefix,
 ) -> RetrainResult:
     """Train one tick's model from the release's weights; promote it if ``metric`` is not worse."""
     log = get_run_logger()
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
     run_name = tick_run_name(run_prefix)
-    release = read_release(config)
+    release = release_file(config).read()
     updates: dict[str, Any] = {"run_name": run_name}
     if release is not None:
         updates.update(load_path=release.checkpoint, load_weights_only=True)
@@ -119,18 +113,18 @@ def decide(
     new = result.metrics[metric]
     old = release.metrics.get(metric) if release is not None else None
     direction = "higher" if higher_is_better else "lower"
-    if old is None or is_not_worse(new, old, higher_is_better):
-        write_release(
-            config,
+    promoted = math.isfinite(new) and (old is None or is_not_worse(new, old, higher_is_better))
+    if promoted:
+        release_file(config).write(
             Release(
                 run_name=result.run_name,
                 checkpoint=result.checkpoint,
                 metric=metric,
                 value=new,
-                metrics=result.metrics,
+                metrics={k: v for k, v in result.metrics.items() if math.isfinite(v)},
                 promoted_at=time.time(),
                 flow_run_id=flow_run.id,
-            ),
+            )
         )
         reason = f"retrain decision: promoted {result.run_name}: {metric} {new:.4f}" + (
             f" is not worse than the release's {old:.4f} ({direction} is better)"
@@ -138,34 +132,25 @@ def decide(
             else " (first release)"
         )
         log.info(reason)
-        return RetrainResult(
-            run_name=result.run_name,
-            promoted=True,
-            metric=metric,
-            new_value=new,
-            released_value=old,
-            release_checkpoint=result.checkpoint,
-            reason=reason,
-        )
-    reason = (
-        f"retrain decision: kept the release {release.run_name}: {result.run_name}'s {metric} {new:.4f} "
-        f"is worse than {old:.4f} ({direction} is better)"
-    )
-    log.warning(reason)
+    else:
+        kept = f"kept the release {release.run_name}" if release is not None else "released nothing"
+        worse = f"worse than {old:.4f} ({direction} is better)" if math.isfinite(new) else "not a finite number"
+        reason = f"retrain decision: {kept}: {result.run_name}'s {metric} {new:.4f} is {worse}"
+        log.warning(reason)
     return RetrainResult(
         run_name=result.run_name,
-        promoted=False,
+        promoted=promoted,
         metric=metric,
         new_value=new,
         released_value=old,
-        release_checkpoint=release.checkpoint,
+        release_checkpoint=result.checkpoint if promoted else release.checkpoint if release is not None else "",
         reason=reason,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m flows.retrain``: one tick by hand, exiting like ``python -m flows.train``."""
-    return cli.run(retrain, sys.argv[1:] if argv is None else argv, lambda result: result.reason)
+    return cli.run(retrain, sys.argv[1:] if argv is None else argv, lambda result: result.reason, RetrainOptions)
 
 
 if __name__ == "__main__":

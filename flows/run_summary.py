@@ -14,6 +14,7 @@ from prefect.runtime import flow_run
 from checkpointing import CheckpointInfo, CheckpointStore
 from flows import artifact_content as content
 from flows.artifact_content import md_code, md_escape
+from flows.restarts import restart_count, retries_of
 from training.config import TrainConfig
 from training.loop import UnitResult
 
@@ -39,7 +40,7 @@ def unit_retries(run_name: str) -> int | None:
         return None
     with get_client(sync_client=True) as client:
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [UUID(run_id)]}))
-    return sum(max(t.run_count - 1, 0) for t in task_runs if t.name.startswith(f"{run_name}-unit-"))
+    return sum(retries_of(t.run_count) for t in task_runs if t.name.startswith(f"{run_name}-unit-"))
 
 
 def summary_markdown(
@@ -64,8 +65,7 @@ def summary_markdown(
         f"- store: {md_code(store.uri)}",
         f"- recipe: {md_code(config.recipe)}, max\\_duration {md_code(config.max_duration)}, "
         f"save\\_interval {md_code(config.save_interval)}, global\\_batch\\_size {config.global_batch_size}",
-        f"- this flow run started from: {md_escape(started_from)}; flow-run restarts so far: "
-        f"{(flow_run.run_count or 1) - 1}",
+        f"- this flow run started from: {md_escape(started_from)}; flow-run restarts so far: {restart_count()}",
         f"- units trained in this flow run attempt: {len(units)}; resumed from a stored checkpoint: {len(resumed)}",
         f"- unit retries: {'unknown' if retries is None else retries}",
         f"- global batch size changes: {md_escape('; '.join(changes)) if changes else 'none'}",

@@ -56,7 +56,7 @@ def prefect_api(start_timeout: float = 120.0) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _temporary_server(timeout: float) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -85,7 +85,8 @@ def _temporary_server(timeout: float) -> Iterator[str]:
             proc.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (tests, bench and deployments use it too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -100,60 +101,44 @@ def make_config(tmp_path):
     return make
 
 
-# --- S3 over HTTP (moto server) ------------------------------------------------------------------
+# --- S3 over HTTP (moto server, started by deployments/local_s3.py as `make s3` and the benchmarks do) -------
 MOTO_SECRET_KEY = "testing-secret-key"  # fake, but distinct enough to search files and logs for
-_AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": MOTO_SECRET_KEY,
-    "AWS_DEFAULT_REGION": "us-east-1",
-    # the user's AWS profile, token or endpoint must not leak into (or redirect) the tests
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-}
-_AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def moto_server():
     """A real S3 endpoint over HTTP on a free loopback port, for the whole session (as s3fs's tests do),
-    with fake credentials in the environment until the session ends."""
-    from moto.server import ThreadedMotoServer
+    with fake credentials in the environment until the session ends; yields its port."""
+    from deployments.local_s3 import AWS_UNSET, fake_aws_env, serving
 
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in _AWS_ENV.items():
+    with pytest.MonkeyPatch.context() as env, serving() as server:
+        for key, value in fake_aws_env(secret=MOTO_SECRET_KEY).items():
             env.setenv(key, value)
-        for key in _AWS_UNSET:
+        for key in AWS_UNSET:
             env.delenv(key, raising=False)
-        port = _free_port()
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            yield port
-        finally:
-            server.stop()
+        yield server.port
 
 
 @pytest.fixture
 def s3(moto_server):
     """An empty moto and a fresh bucket; yields (save_folder, storage_options) pointing s3fs at the server."""
-    import urllib.request
     import uuid
 
     import s3fs
 
-    endpoint = f"http://127.0.0.1:{moto_server}"
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30).read()
+    from deployments.local_s3 import LocalS3
+
+    server = LocalS3(moto_server)
+    bucket = server.fresh_bucket(f"b-{uuid.uuid4().hex[:12]}")
+    yield f"{bucket}/runs", server.storage_options
     s3fs.S3FileSystem.clear_instance_cache()
-    options = {"client_kwargs": {"endpoint_url": endpoint}}
-    bucket = f"b-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(**options).mkdir(bucket)
-    yield f"s3://{bucket}/runs", options
-    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def backend(request, tmp_path):
+    """(save_folder, storage_options) on each store in turn: a local folder, memory:// and S3 over HTTP."""
+    if request.param == "local":
+        return str(tmp_path / "runs"), None
+    if request.param == "memory":
+        return f"memory://{uuid.uuid4().hex}/runs", None
+    return request.getfixturevalue("s3")

@@ -6,8 +6,9 @@ import io
 import uuid
 from typing import Any
 
-import fsspec
 import torch
+
+from checkpointing.protocols import is_local_fs, open_url
 
 STORES = ["local", "memory", "s3"]
 
@@ -23,14 +24,14 @@ def store_root(kind: str, request, tmp_path) -> tuple[str, dict[str, Any]]:
 
 
 def put(uri: str, data: bytes, options: dict[str, Any]) -> None:
-    fs, path = fsspec.core.url_to_fs(uri, **options)
-    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+    fs, path = open_url(uri, options)
+    if is_local_fs(fs):
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(path, data)
 
 
 def get(uri: str, options: dict[str, Any]) -> bytes:
-    fs, path = fsspec.core.url_to_fs(uri, **options)
+    fs, path = open_url(uri, options)
     return fs.cat_file(path)
 
 

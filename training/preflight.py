@@ -8,12 +8,12 @@ model is built on PyTorch's meta device (shapes, no memory), and for real only i
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from checkpointing.hashing import sha256_hex
 from training.config import ConfigError, TrainConfig
 from training.recipe import describe_recipe, load_recipe, open_dataset
 
@@ -24,7 +24,7 @@ _passed: set[str] = set()
 def preflight(config: TrainConfig) -> int:
     """Constructs the recipe, opens its dataset and builds its model, optimizer and scheduler; returns the
     number of training samples. Raises ConfigError naming the recipe and recipe_args."""
-    key = hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+    key = sha256_hex(config.model_dump_json().encode())
     recipe = load_recipe(config)
     where = describe_recipe(config)
     if callable(getattr(recipe, "train_loop", None)) and not callable(getattr(recipe, "loss", None)):

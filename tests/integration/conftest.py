@@ -7,24 +7,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from deployments import stack as stacks
+from flows.server import free_port
 from tests.conftest import ROOT, TEST_RECIPES
 
 # Runs must notice a dead machine within a test's patience: Prefect's floor for the heartbeat is 30 s
 # (prefect.yaml sets 30); 60 s of silence (2 heartbeats) marks a run Crashed.
 HEARTBEAT_WITHIN_SECONDS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RunningStack:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.server import free_port
 from tests.conftest import ROOT, TEST_RECIPES
 
 pytestmark = pytest.mark.slow
@@ -20,18 +21,10 @@ pytestmark = pytest.mark.slow
 def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """No PREFECT_API_URL and no server on PREFECT_PORT: the command must start a temporary server itself."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "TRAIN_"))}
-    free = socket_port()
+    free = free_port()
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_PORT=str(free), PYTHONPATH=str(ROOT),
                TRAIN_ALLOWED_RECIPES=TEST_RECIPES, **extra)  # fmt: skip
     return env
-
-
-def socket_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -10,7 +10,8 @@ import sys
 import torch
 
 from checkpointing import CheckpointStore
-from tests.conftest import ROOT, _free_port
+from flows.server import free_port
+from tests.conftest import ROOT
 
 
 def _client_env(line: str) -> dict[str, str]:
@@ -26,7 +27,7 @@ def _client_env(line: str) -> dict[str, str]:
 
 
 def test_make_s3_serves_bucket_runs_that_a_client_reaches_with_the_printed_environment():
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "deployments.local_s3"],
         cwd=ROOT,

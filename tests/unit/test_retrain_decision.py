@@ -1,4 +1,5 @@
-"""Promotion rules of scheduled retraining, on a memory:// store (release.json goes through the storage layer)."""
+"""Promotion rules of scheduled retraining, on a memory:// store (release.json through checkpointing.release),
+and its command line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import uuid
 
 import pytest
 
-from flows.retrain import decide, read_release
+from flows.retrain import decide, main, release_file
 from flows.train import TrainResult
 from training.config import ConfigError, TrainConfig
 
@@ -19,10 +20,10 @@ def config() -> TrainConfig:
     return TrainConfig(save_folder=f"memory://retrain-{uuid.uuid4().hex}")
 
 
-def result(run_name: str, **metrics: float) -> TrainResult:
+def result(config: TrainConfig, run_name: str, **metrics: float) -> TrainResult:
     return TrainResult(
         run_name=run_name,
-        checkpoint=f"memory://x/{run_name}/checkpoints/ep1",
+        checkpoint=f"{config.save_folder}/{run_name}/checkpoints/ep1",
         epoch=1,
         step=8,
         samples_seen=256,
@@ -33,8 +34,12 @@ def result(run_name: str, **metrics: float) -> TrainResult:
     )
 
 
+def read_release(config):
+    return release_file(config).read()
+
+
 def promote(config, name, metric="accuracy", higher_is_better=True, **metrics):
-    return decide(config, result(name, **metrics), read_release(config), metric, higher_is_better, log)
+    return decide(config, result(config, name, **metrics), read_release(config), metric, higher_is_better, log)
 
 
 def test_first_tick_is_released_and_the_release_is_readable_back(config):
@@ -43,7 +48,7 @@ def test_first_tick_is_released_and_the_release_is_readable_back(config):
 
     release = read_release(config)
     assert outcome.promoted and release.run_name == "t1" and release.value == 0.5
-    assert release.checkpoint == "memory://x/t1/checkpoints/ep1"
+    assert release.checkpoint == f"{config.save_folder}/t1/checkpoints/ep1"
 
 
 def test_an_equal_model_is_promoted_and_a_worse_one_is_not(config):
@@ -66,3 +71,38 @@ def test_a_loss_metric_is_compared_lower_is_better(config):
 def test_a_metric_the_recipe_does_not_report_is_a_config_error_naming_it(config):
     with pytest.raises(ConfigError, match=r"metric='f1'.*\['accuracy', 'loss'\]"):
         promote(config, "t1", metric="f1", accuracy=0.5, loss=1.0)
+
+
+def test_a_model_whose_metric_is_not_a_number_is_never_released(config):
+    outcome = promote(config, "t1", accuracy=float("nan"))
+    assert not outcome.promoted and "released nothing" in outcome.reason and read_release(config) is None
+
+    promote(config, "t2", accuracy=0.5, loss=float("inf"))
+    assert not promote(config, "t3", accuracy=float("nan")).promoted
+    release = read_release(config)
+    assert release.run_name == "t2" and release.metrics == {"accuracy": 0.5}  # the infinite loss is left out
+
+
+def test_the_command_line_help_names_retrain_and_its_own_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert out.startswith("usage: python -m flows.retrain")
+    assert "--metric str" in out and "--higher_is_better bool" in out and "--save_folder str" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--higher_is_better", "maybe"], "error: higher_is_better='maybe'"),
+        (["--metric"], "error: error parsing CLI: argument --metric: expected one argument"),
+        (["--max_durration", "3ep"], "error: error parsing CLI: unrecognized arguments: --max_durration 3ep"),
+        (["--seed", "x", "--metric", "loss"], "error: seed='x'"),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2_as_for_train(argv, message, tmp_path, capsys):
+    assert main(["--save_folder", str(tmp_path / "runs"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()

@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import pickle
-import uuid
 
 import fsspec
 import pytest
@@ -25,15 +24,6 @@ from checkpointing import (
 from checkpointing.__main__ import main as cli
 from checkpointing.manifest import Manifest
 from checkpointing.store import FencedError
-
-
-@pytest.fixture(params=["local", "memory", "s3"])
-def backend(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "runs"), None
-    if request.param == "memory":
-        return f"memory://{uuid.uuid4().hex}/runs", None
-    return request.getfixturevalue("s3")
 
 
 def state(seed: float) -> dict:

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import pickle
-import uuid
 
 import fsspec
 import pytest
@@ -16,15 +15,6 @@ import torch
 
 from checkpointing import CheckpointStore, CorruptCheckpointError, UnsafeCheckpointError, Writer
 from checkpointing.store import serialize
-
-
-@pytest.fixture(params=["local", "memory", "s3"])
-def backend(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "runs"), None
-    if request.param == "memory":
-        return f"memory://{uuid.uuid4().hex}/runs", None
-    return request.getfixturevalue("s3")
 
 
 def three_checkpoints(backend) -> CheckpointStore:

@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import pickle
-import uuid
 
 import pytest
 import torch
 
 from checkpointing import CheckpointError, CheckpointStore, Writer
 from checkpointing.streaming import remote_block_size, save_streaming, write_object
-
-
-@pytest.fixture(params=["local", "memory", "s3"])
-def backend(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "runs"), None
-    if request.param == "memory":
-        return f"memory://{uuid.uuid4().hex}/runs", None
-    return request.getfixturevalue("s3")
 
 
 def test_commit_files_refuses_a_file_that_did_not_land_as_reported(backend):
