@@ -1,9 +1,6 @@
 """Counting attempts: Prefect's ``run_count`` starts at 1 and grows by one with each retry of a task run,
 and with each restart of a flow run (an automation rescheduling it after a crash). Everything that reports
 or caps restarts and retries counts them here, the same way.
-
-``flows.train.check_restart_cap`` still computes ``(flow_run.run_count or 1) - 1`` itself and should call
-``restart_count()`` (left for the people reworking flows/train.py).
 """
 
 from __future__ import annotations

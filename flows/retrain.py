@@ -23,11 +23,12 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
-from checkpointing import RetrySettings, validate_name
+from checkpointing import validate_name
 from checkpointing.release import Release, ReleaseFile
 from flows import cli
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
+from training.session import store_retry
 
 
 class RetrainOptions(BaseModel):
@@ -58,8 +59,7 @@ class RetrainResult(BaseModel):
 
 def release_file(config: TrainConfig) -> ReleaseFile:
     """``<save_folder>/release.json``, with the run's storage options and store retry settings."""
-    retry = RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
-    return ReleaseFile(config.save_folder, storage_options=config.storage_options, retry=retry)
+    return ReleaseFile(config.save_folder, storage_options=config.storage_options, retry=store_retry(config))
 
 
 def tick_run_name(prefix: str) -> str:

@@ -17,8 +17,10 @@ from pydantic import BaseModel
 
 from checkpointing import CheckpointInfo, CheckpointStore
 from checkpointing.export import export_checkpoint
+from checkpointing.store import split_run_uri
 from flows import cli
 from flows.artifacts import RunReport
+from flows.restarts import flow_run_attempt, restart_count
 from tasks import evaluate, unit_task
 from training.config import ConfigError, TrainConfig
 from training.identity import check_same_run
@@ -69,7 +71,7 @@ def train(config: TrainConfig) -> TrainResult:
     start = store.latest()
     if start is not None:
         check_same_run(config, start)
-        if not config.autoresume and flow_run.run_count <= 1:
+        if not config.autoresume and flow_run_attempt() <= 1:
             raise ConfigError(
                 f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
                 f"autoresume=True to continue it, or choose a new run_name"
@@ -78,7 +80,7 @@ def train(config: TrainConfig) -> TrainResult:
         _check_load_path(config)
     rollback_to = pending_roll_back(config, store, log)  # a bad resume_from fails here, before anything is written
     # Claimed before resolving where to start: an older writer's commits after this point are refused.
-    generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run.run_count})")
+    generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run_attempt()})")
     if rollback_to:
         roll_back(store, rollback_to, generation, log)
     start = resolve_start(config, store, log)
@@ -172,7 +174,7 @@ class RepeatGuard:
                 f"unit {result.unit} ended at {ended} samples, where earlier units of this flow run already got "
                 f"({self.repeats} times): its checkpoints are not being kept (last: {result.checkpoint}). Stopping "
                 f"instead of retraining the same data; check the store: python -m checkpointing verify "
-                f"{result.checkpoint.rsplit('/checkpoints/', 1)[0]}"
+                f"{'/'.join(split_run_uri(result.checkpoint)[:2])}"
             )
 
 
@@ -225,7 +227,7 @@ def refuse_storage_options_from_parameters() -> None:
 
 def check_restart_cap(max_restarts: int) -> None:
     """Ends the flow run Failed once it has been restarted (rescheduled after a crash) ``max_restarts`` times."""
-    restarts = (flow_run.run_count or 1) - 1
+    restarts = restart_count()
     if restarts > max_restarts:
         raise RestartLimitError(
             f"flow run {flow_run.id} was restarted {restarts} times after crashes, more than "

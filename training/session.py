@@ -78,9 +78,15 @@ class Session:
     data_skip_applied: dict[str, Any] | None = None  # the data-skip options already applied to this run
 
 
+def store_retry(config: TrainConfig) -> RetrySettings:
+    """The run's object-store retry policy (every store call of the run, release.json included)."""
+    return RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
+
+
 def open_store(config: TrainConfig) -> CheckpointStore:
-    retry = RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
-    return CheckpointStore(config.save_folder, config.run_name, storage_options=config.storage_options, retry=retry)
+    return CheckpointStore(
+        config.save_folder, config.run_name, storage_options=config.storage_options, retry=store_retry(config)
+    )
 
 
 def pick_device(config: TrainConfig, world: World = SINGLE_PROCESS) -> torch.device:
