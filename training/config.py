@@ -272,7 +272,9 @@ class TrainConfig(BaseSettings):
         "done at the end too); the metrics, prefixed 'eval_', are stored in the next checkpoint's manifest and "
         "may drive checkpoint_score_attribute.",
     )
-    eval_each_unit: bool = Field(False, description="Evaluate after every unit: the same as eval_interval=save_interval.")
+    eval_each_unit: bool = Field(
+        False, description="Evaluate after every unit: the same as eval_interval=save_interval."
+    )
     grad_clip_norm: Annotated[float | None, _optional_finite("grad_clip_norm", 1e-12, 1e12)] = Field(
         None,
         description="Clip the global gradient norm (all parameters, every process) to this before each optimizer "
