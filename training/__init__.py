@@ -1,6 +1,6 @@
-"""Training code below the flows. What a training loop of the user's own uses is importable from here:
+"""Training code below the flows. What a recipe with a loop of its own uses is importable from here:
 
-    from training import ResumableBatchSampler, capture_rng_state, restore_rng_state
+    from training import LoopContext, ResumableBatchSampler, capture_rng_state, restore_rng_state
 
 Imported on first use (PEP 562), so ``import training.config`` does not pay for torch.
 """
@@ -11,13 +11,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from training.own_loop import LoopContext
     from training.rng import capture as capture_rng_state
     from training.rng import restore as restore_rng_state
     from training.sampler import ResumableBatchSampler
 
-__all__ = ["ResumableBatchSampler", "capture_rng_state", "restore_rng_state"]
+__all__ = ["LoopContext", "ResumableBatchSampler", "capture_rng_state", "restore_rng_state"]
 
 _EXPORTS = {
+    "LoopContext": ("training.own_loop", "LoopContext"),
     "ResumableBatchSampler": ("training.sampler", "ResumableBatchSampler"),
     "capture_rng_state": ("training.rng", "capture"),
     "restore_rng_state": ("training.rng", "restore"),
