@@ -25,6 +25,7 @@ from tasks import evaluate, unit_task
 from training.config import ConfigError, TrainConfig
 from training.identity import check_same_run
 from training.loop import UnitResult
+from training.own_loop import uses_own_loop
 from training.preflight import preflight
 from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
 from training.recipe import allow_recipe
@@ -63,6 +64,10 @@ class TrainResult(BaseModel):
 @flow(name="train", flow_run_name="{config.run_name}", validate_parameters=True)
 def train(config: TrainConfig) -> TrainResult:
     """Train ``config.recipe`` to ``config.max_duration``, one checkpointed unit per task."""
+    if uses_own_loop(config):  # the recipe brings its own train_loop(ctx): one task, a checkpoint per report
+        from flows.own_loop import train_own_loop
+
+        return train_own_loop(config)
     log = get_run_logger()
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()

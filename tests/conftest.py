@@ -34,6 +34,7 @@ TEST_RECIPES = ",".join(
         "tests.recipes_for_tests:TwoOptimizerRecipe",
         "tests.integration.deploy_recipes:PausingRecipe",
         "tests.integration.deploy_recipes:DyingRecipe",
+        "tests.own_loop_recipes:FlakyOwnLoopRecipe,tests.own_loop_recipes:ShortLoopRecipe",
     ]
 )
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES

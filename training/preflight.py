@@ -15,6 +15,7 @@ import torch
 
 from checkpointing.hashing import sha256_hex
 from training.config import ConfigError, TrainConfig
+from training.own_loop import check_own_loop, uses_own_loop
 from training.recipe import describe_recipe, load_recipe, open_dataset
 
 MAX_EPOCH_SAMPLES = 2**31 - 1  # the epoch's sample order is a permutation held in memory (8 bytes a sample)
@@ -23,12 +24,16 @@ _passed: set[str] = set()
 
 def preflight(config: TrainConfig) -> int:
     """Constructs the recipe, opens its dataset and builds its model, optimizer and scheduler; returns the
-    number of training samples. Raises ConfigError naming the recipe and recipe_args."""
+    number of training samples. Raises ConfigError naming the recipe and recipe_args.
+
+    A recipe with its own ``train_loop`` builds everything inside the loop: only its constructor and the
+    options are checked, and 0 is returned (the product never sees its data)."""
+    if uses_own_loop(config):
+        check_own_loop(config)
+        return 0
     key = sha256_hex(config.model_dump_json().encode())
     recipe = load_recipe(config)
     where = describe_recipe(config)
-    if callable(getattr(recipe, "train_loop", None)) and not callable(getattr(recipe, "loss", None)):
-        return 0  # a loop of its own: it builds what it needs itself
     dataset = _calling(where, "train_dataset()", lambda: open_dataset(recipe))
     size = _calling(where, "len(train_dataset())", lambda: len(dataset))
     if not isinstance(size, int) or not 1 <= size <= MAX_EPOCH_SAMPLES:

@@ -34,7 +34,27 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
 
 class ResumableBatchSampler(Sampler[list[int]]):
     """This rank's share of each global batch, from ``start`` (a sample position) to ``stop`` (default: the
-    epoch's end; a duration in samples may end mid-epoch, and then the last batch is cut to fit)."""
+    epoch's end; a duration in samples may end mid-epoch, and then the last batch is cut to fit).
+
+    Public: the product's own units use it, and a ``train_loop`` of your own can too, to resume its DataLoader at
+    the exact sample. Each epoch's order depends only on ``seed`` and ``epoch``, so saving ``epoch`` and the
+    position in it (``sample_in_epoch``) with the model is enough to continue where a report left off::
+
+        from torch.utils.data import DataLoader
+        from training import ResumableBatchSampler
+
+        sampler = ResumableBatchSampler(len(dataset), ctx.global_batch_size, seed=ctx.seed, epoch=epoch,
+                                        start=sample_in_epoch)  # 0 in a fresh epoch; the saved value on resume
+        loader = DataLoader(dataset, batch_sampler=sampler, generator=torch.Generator().manual_seed(epoch))
+        for batch in loader:
+            ...                                  # one optimizer step
+            sample_in_epoch += len(batch[0])     # samples this batch held; at len(dataset) the epoch ends
+            ctx.report(metrics, state={..., "epoch": epoch, "sample_in_epoch": sample_in_epoch})
+
+    Give the DataLoader a generator of its own, as above: without one, starting each loader's iteration draws
+    from torch's global RNG, and a resumed run's random numbers (dropout, augmentation) would differ from an
+    uninterrupted run's. With ``world_size > 1`` each rank yields its share of every global batch.
+    """
 
     def __init__(
         self,

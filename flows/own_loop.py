@@ -1,0 +1,85 @@
+"""The ``train`` flow for a recipe with its own ``train_loop``: one retryable task runs the loop, each report is
+a checkpoint (training/own_loop.py), and the run is complete once a report reached ``max_duration``.
+
+The preamble is the unit flow's (restart cap, storage options, pre-flight, run identity, autoresume, writer
+generation, the start that verifies); then, instead of planning units, the flow calls the loop task once, if
+the run is not complete yet. Each report moves the UI's progress, metrics and curves cards as a unit would.
+The run's metrics are the last report's (the product does not evaluate a model it never built).
+"""
+
+from __future__ import annotations
+
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+
+from checkpointing.export import export_checkpoint
+from flows.artifacts import RunReport
+from flows.train import (
+    TrainResult,
+    check_restart_cap,
+    overshoot_warning,
+    refuse_storage_options_from_parameters,
+    resolve_start,
+)
+from tasks.own_loop import loop_task
+from training.config import ConfigError, TrainConfig
+from training.identity import check_same_run
+from training.preflight import preflight
+from training.progress import Progress, is_complete
+from training.session import open_store
+
+
+def train_own_loop(config: TrainConfig) -> TrainResult:
+    """Runs ``recipe.train_loop`` until a report reaches ``max_duration`` (called inside the ``train`` flow)."""
+    log = get_run_logger()
+    check_restart_cap(config.max_restarts)
+    refuse_storage_options_from_parameters()
+    preflight(config)  # recipe allowed and constructed; options a loop of its own cannot honour are refused
+    store = open_store(config)
+    start = store.latest()
+    if start is not None:
+        check_same_run(config, start)
+        if not config.autoresume and flow_run.run_count <= 1:
+            raise ConfigError(
+                f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
+                f"autoresume=True to continue it, or choose a new run_name"
+            )
+    generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run.run_count})")
+    start = resolve_start(config, store, log)
+    progress = Progress.from_dict(start.progress) if start else Progress()  # the loop's counters: never rescaled
+    warnings = [w for w in [overshoot_warning(config, store, start, progress)] if w]
+    for warning in warnings:
+        log.warning(warning)
+    started_from = f"checkpoint {start.name}" if start else "no checkpoint"
+    complete = is_complete(progress, config.duration)
+    log.info("run %s in %s (train_loop): %s; %s", config.run_name, store.uri, started_from,
+             "nothing left" if complete else f"training to {config.max_duration}")  # fmt: skip
+    report = RunReport(config, store, start, log)
+
+    units = []
+    if not complete:
+        result = loop_task(config)(config, generation=generation, on_report=report.unit_done)
+        progress, units = Progress.from_dict(result.progress), [result]
+    final_name, final_uri = (units[-1].checkpoint_name, units[-1].checkpoint) if units else (start.name, start.uri)
+    final = store.info(final_name)
+    metrics = final.metrics if final else {}  # as reported, from the manifest: a rerun returns the same
+    report.finish(units, metrics, started_from=started_from)
+    log.info("run %s complete: epoch %d, step %d, %d samples; checkpoint %s; %s", config.run_name, progress.epoch,
+             progress.step, progress.samples_seen, final_uri,
+             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics")  # fmt: skip
+    if config.export_on_complete:
+        log.info(export_checkpoint(final_uri, config.export_on_complete, storage_options=config.storage_options))
+    return TrainResult(
+        run_name=config.run_name,
+        checkpoint=final_uri,
+        checkpoint_name=final_name,
+        epoch=progress.epoch,
+        step=progress.step,
+        samples_seen=progress.samples_seen,
+        sample_in_epoch=progress.sample_in_epoch,
+        metrics=metrics,
+        units=units,
+        started_from=started_from,
+        store=store.uri,
+        warnings=warnings,
+    )

@@ -1,0 +1,40 @@
+"""Recipes with a loop of their own that misbehave on purpose (tests only)."""
+
+from __future__ import annotations
+
+from recipes.own_loop import OwnLoopRecipe
+from training import LoopContext
+
+
+class FlakyOwnLoopRecipe(OwnLoopRecipe):
+    """The example loop, raising in its first attempt right after optimizer step ``fail_at_update`` (0: never):
+    a failure of the user's own code, between two reports."""
+
+    def __init__(self, fail_at_update: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.fail_at_update = fail_at_update
+        self.updates_this_attempt = 0
+
+    def train_loop(self, ctx: LoopContext) -> None:
+        self.updates_this_attempt = 0
+        super().train_loop(ctx)
+
+    def update(self, model, optimizer, scheduler, batch, ctx: LoopContext) -> float:
+        loss = super().update(model, optimizer, scheduler, batch, ctx)
+        self.updates_this_attempt += 1
+        if ctx.attempt == 1 and self.updates_this_attempt == self.fail_at_update:
+            raise RuntimeError(f"the user's loop failed after update {self.fail_at_update} (attempt 1)")
+        return loss
+
+
+class ShortLoopRecipe:
+    """Reports ``num_reports`` times without counters, then returns, whatever max_duration says."""
+
+    def __init__(self, num_reports: int = 2):
+        self.num_reports = num_reports
+
+    def train_loop(self, ctx: LoopContext) -> None:
+        checkpoint = ctx.get_checkpoint()
+        done = checkpoint["reports"] if checkpoint else 0
+        for i in range(done, self.num_reports):
+            ctx.report({"loss": 1.0 / (i + 1)}, state={"reports": i + 1})

@@ -1,0 +1,151 @@
+"""A loop of the user's own: ctx.report commits checkpoints the units' way, ctx.get_checkpoint reads them back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore
+from checkpointing.uploader import Committer
+from training import LoopContext, ResumableBatchSampler
+from training.config import ConfigError
+from training.identity import check_same_run
+from training.own_loop import LoopEndedEarlyError, ReportError, run_own_loop
+from training.preflight import preflight
+from training.warm import SessionCache
+
+OWN_LOOP = "recipes.own_loop:OwnLoopRecipe"
+
+
+@pytest.fixture
+def loop_config(make_config):
+    def make(**overrides):
+        values = dict(recipe=OWN_LOOP, recipe_args={"num_samples": 64}, max_duration="4ba")
+        return make_config(**{**values, **overrides})
+
+    return make
+
+
+def open_context(config, attempt: int = 1, committer: Committer | None = None) -> LoopContext:
+    store = CheckpointStore(config.save_folder, config.run_name)
+    return LoopContext(config, store, committer=committer or Committer(), attempt=attempt)
+
+
+class Opaque:
+    """A class of the user's: unpickling it would mean importing and running their code."""
+
+
+def state_at(i: int) -> dict:
+    return {
+        "model": {"w": torch.full((3, 2), float(i)), "b": torch.arange(2)},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(float(i))}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}],
+        },
+        "epoch": 0,
+        "sample_in_epoch": 32 * i,
+        "dtype": torch.float32,  # not a plain type, but one weights_only loads: checked by a round trip, accepted
+        "names": ["a", None, 1.5],
+    }
+
+
+@pytest.mark.parametrize("async_upload", [False, True])
+def test_a_report_is_a_committed_checkpoint_that_the_next_attempt_gets_back(loop_config, async_upload):
+    config, committer = loop_config(async_upload=async_upload), Committer()
+    ctx = open_context(config, committer=committer)
+    assert ctx.get_checkpoint() is None
+    assert (ctx.global_batch_size, ctx.seed, ctx.rank, ctx.world_size, ctx.num_train_samples) == (32, 7, 0, 1, None)
+
+    ctx.report({"loss": 0.5}, state=state_at(1))
+    ctx.report({"loss": torch.tensor(0.25)}, state=state_at(2), samples_seen=64)
+    committer.wait()  # the background upload, if any, lands
+
+    store = CheckpointStore(config.save_folder, config.run_name)
+    latest = store.latest(deep=True)
+    assert latest.name == "ep0-ba2-sa64"  # step counts reports; samples_seen as given
+    assert json.loads((Path(config.save_folder) / "r" / "latest").read_text())["name"] == latest.name
+    assert (Path(latest.uri) / "manifest.json").exists()
+    assert latest.metrics == {"loss": 0.25}
+    assert latest.manifest.metadata["report"] == 1 and latest.manifest.metadata["train_loop"] is True
+    assert latest.manifest.writer.generation == 0
+    check_same_run(config, latest)  # the run identity is recorded as a unit's is
+    weights = torch.load(Path(latest.uri) / "state.pt", weights_only=True)["state"]["model"]
+    assert torch.equal(weights["w"], torch.full((3, 2), 2.0))  # the Composer path to the weights
+
+    again = open_context(config, attempt=2)
+    got = again.get_checkpoint()
+    expected = state_at(2)
+    assert torch.equal(got["model"]["w"], expected["model"]["w"]) and torch.equal(
+        got["model"]["b"], expected["model"]["b"]
+    )
+    assert got["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    assert (got["sample_in_epoch"], got["dtype"], got["names"]) == (64, torch.float32, ["a", None, 1.5])
+    assert not again.should_stop
+    again.report({"loss": 0.1}, state=state_at(3))
+    again.report({"loss": 0.1}, state=state_at(4))  # step 4 reaches max_duration='4ba'
+    assert again.should_stop
+    assert again.finish().progress == {"epoch": 0, "step": 4, "samples_seen": 64}
+
+
+def test_retention_keeps_the_best_reports_by_a_reported_metric_and_the_latest(loop_config):
+    config = loop_config(num_checkpoints_to_keep=2, checkpoint_score_attribute="loss", checkpoint_score_order="min",
+                         max_duration="5ba")  # fmt: skip
+    ctx = open_context(config)
+    for i, loss in enumerate([0.5, 0.1, 0.9, 0.3, 0.7], start=1):
+        ctx.report({"loss": loss}, state=state_at(i))
+
+    names = [i.name for i in CheckpointStore(config.save_folder, config.run_name).list()]
+    assert names == ["ep0-ba2-sa0", "ep0-ba5-sa0"]  # the best (loss 0.1) and the one latest names
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"model": {"w": torch.ones(2)}, "fn": lambda x: x}, "state['fn'] is a lambda"),
+        ({"model": {"w": torch.ones(2)}, "extra": [1, {"obj": Opaque()}]}, "state['extra'][1]['obj'] is a tests.unit"),
+    ],
+)
+def test_a_state_that_would_need_code_to_load_is_refused_at_report_time(loop_config, bad, named):
+    config = loop_config()
+    ctx = open_context(config)
+    ctx.report({"loss": 1.0}, state=state_at(1))
+
+    with pytest.raises(ReportError, match="weights_only") as refused:
+        ctx.report({"loss": 0.5}, state=bad)
+
+    assert named in str(refused.value)
+    assert [i.name for i in CheckpointStore(config.save_folder, config.run_name).list()] == ["ep0-ba1-sa0"]
+
+
+def test_counters_never_go_back_and_metrics_must_be_numbers(loop_config):
+    ctx = open_context(loop_config())
+    ctx.report({"loss": 1.0}, state=state_at(1), step=3, epoch=1)
+    with pytest.raises(ReportError, match=r"report\(step=2\): the run.s newest report is at step=3"):
+        ctx.report({"loss": 1.0}, state=state_at(2), step=2)
+    with pytest.raises(ReportError, match="'loss': 'low': use str names and numbers"):
+        ctx.report({"loss": "low"}, state=state_at(2))
+    ctx.report({"loss": 1.0}, state=state_at(2))
+    assert ctx.result(steps=0).progress == {"epoch": 1, "step": 4, "samples_seen": 0}  # epoch kept, step counted on
+
+
+def test_a_loop_that_returns_before_max_duration_fails_naming_it(make_config):
+    config = make_config(recipe="tests.own_loop_recipes:ShortLoopRecipe", recipe_args={}, max_duration="3ba")
+    with pytest.raises(LoopEndedEarlyError, match=r"before max_duration=3ba"):
+        run_own_loop(config, cache=SessionCache())
+    done = run_own_loop(make_config(recipe=config.recipe, recipe_args={}, max_duration="2ba"), cache=SessionCache())
+    assert (done.complete, done.checkpoint_name, done.metrics["loss"]) == (True, "ep0-ba2-sa0", 0.5)
+
+
+@pytest.mark.parametrize("option", [{"nproc_per_node": 2}, {"nnodes": 2, "rdzv_endpoint": "h:1"}])
+def test_several_processes_are_refused_at_start_up_naming_the_option(loop_config, option):
+    with pytest.raises(ConfigError, match=f"{next(iter(option))}=2: a recipe with train_loop runs in one process"):
+        preflight(loop_config(**option))
+
+
+def test_resumable_batch_sampler_is_public_and_resumes_at_the_saved_sample():
+    whole = [i for ids in ResumableBatchSampler(10, 4, seed=1, epoch=3) for i in ids]
+    resumed = [i for ids in ResumableBatchSampler(10, 4, seed=1, epoch=3, start=4) for i in ids]
+    assert resumed == whole[4:]
