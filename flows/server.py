@@ -76,6 +76,7 @@ def _temporary_server(timeout: float) -> Iterator[str]:
             time.sleep(0.1)
         yield url
     finally:
+        _drain_to_api()
         if proc.stdin is not None:
             proc.stdin.close()  # the server's signal to stop
         try:
@@ -83,6 +84,19 @@ def _temporary_server(timeout: float) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _drain_to_api(timeout: float = 10.0) -> None:
+    """Sends the flow's buffered log lines and events while the temporary server still listens: drained at
+    interpreter exit instead, they met a closed port and printed 'Error logging to API' at the terminal."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=timeout)
+        except Exception as exc:  # never let the log shipping decide how the run ends
+            log.debug("draining %s: %s", worker.__name__, exc)
 
 
 def free_port() -> int:

@@ -88,3 +88,16 @@ def test_a_runtime_error_is_one_line_at_the_terminal_and_a_traceback_with_verbos
     assert last.startswith("error: run 'default' did not complete: InjectedFault: injected fault after step 3")
     assert "--verbose prints it here" in last
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
+def test_a_run_on_a_temporary_server_ends_with_its_result_not_log_shipping_errors(tmp_path):
+    """The flow's last log lines are shipped to the temporary server before it stops: drained at interpreter
+    exit they met a closed port and printed 'Error logging to API' after the result."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.train", "--recipe", "synthetic", "--max_duration", "1ep",
+         "--save_folder", str(tmp_path / "runs")],
+        env=cli_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Error logging to API" not in done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("list the run's checkpoints: python -m checkpointing ls")
