@@ -74,6 +74,11 @@ def check_own_loop(config: TrainConfig, log: Any = logger) -> None:
                 f"{option}={getattr(config, option)}: a recipe with train_loop runs in one process (the product does "
                 f"not start its loop under torchrun); use {option}=1, or a recipe with build_model/loss for DDP"
             )
+    if config.parallelism == "fsdp":
+        raise ConfigError(
+            "parallelism='fsdp': a recipe with train_loop runs in one process and shards nothing; use "
+            "parallelism='ddp' (the default), or a recipe with build_model/loss for FSDP"
+        )
     if config.load_path:
         raise ConfigError(
             f"load_path={config.load_path!r}: not applied to a recipe with train_loop (the loop builds its own "

@@ -145,6 +145,11 @@ def test_several_processes_are_refused_at_start_up_naming_the_option(loop_config
         preflight(loop_config(**option))
 
 
+def test_fsdp_is_refused_for_a_loop_the_product_does_not_shard(loop_config):
+    with pytest.raises(ConfigError, match="parallelism='fsdp': a recipe with train_loop runs in one process"):
+        preflight(loop_config(parallelism="fsdp"))
+
+
 def test_resumable_batch_sampler_is_public_and_resumes_at_the_saved_sample():
     whole = [i for ids in ResumableBatchSampler(10, 4, seed=1, epoch=3) for i in ids]
     resumed = [i for ids in ResumableBatchSampler(10, 4, seed=1, epoch=3, start=4) for i in ids]
