@@ -16,6 +16,7 @@ BENCHES = {
     "peer": "bench.peer_lightning",
     "cli": "bench.cli_startup",
     "sharded": "bench.sharded",
+    "gpt": "bench.gpt",
 }
 
 

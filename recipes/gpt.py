@@ -237,7 +237,7 @@ class GPTRecipe:
         lr_at = warmup_cosine(self.lr, self.min_lr, self.warmup_steps, decay_steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_at(it) / self.lr)
 
-    def forward(self, model: nn.Module) -> nn.Module:
+    def maybe_compiled(self, model: nn.Module) -> nn.Module:
         """``model``, or with ``compile=True`` its ``torch.compile`` (nanoGPT's ``compile``), made on first use.
         Not in build_model: a compiled module's state_dict prefixes every key with ``_orig_mod.``, and checkpoints
         and exports should hold the model's own keys."""
@@ -249,7 +249,7 @@ class GPTRecipe:
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
-        logits = self.forward(model)(x)
+        logits = self.maybe_compiled(model)(x)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
     def evaluate(self, model: nn.Module, batch) -> dict[str, float]:
