@@ -17,6 +17,7 @@ BENCHES = {
     "cli": "bench.cli_startup",
     "sharded": "bench.sharded",
     "accumulation": "bench.accumulation",
+    "gpt": "bench.gpt",
 }
 
 
