@@ -29,7 +29,10 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: Sessio
         recipe, device = load_recipe(config), sessions.pick_device(config)
         model = recipe.build_model().to(device)
         model.load_state_dict(_model_weights(store, checkpoint_name))
-    return evaluate_model(recipe, model, device, config.global_batch_size, getattr(recipe, "ctx", None))
+    # In training's micro-batches, not the global batch: one process must hold this batch's activations.
+    world = config.nproc_per_node * config.nnodes
+    batch = RunContext.of(config, world_size=world).micro_batch_size
+    return evaluate_model(recipe, model, device, batch, getattr(recipe, "ctx", None))
 
 
 def _model_weights(store, name: str) -> dict:

@@ -192,7 +192,9 @@ def _evaluate(config: TrainConfig, s: Session, log) -> dict[str, float]:
     manifest. Every process evaluates (an FSDP forward needs them all); the training RNG is not touched."""
     from training.evaluation import evaluate_model
 
-    metrics = evaluate_model(s.recipe, s.forward_model or s.model, s.device, config.global_batch_size, s.ctx)
+    assert s.ctx is not None
+    model = s.forward_model or s.model  # evaluated in micro-batches: no more memory than a training pass holds
+    metrics = evaluate_model(s.recipe, model, s.device, s.ctx.micro_batch_size, s.ctx)
     s.model.train()
     out = {f"eval_{k}": v for k, v in metrics.items()}
     attribute = config.checkpoint_score_attribute

@@ -31,6 +31,11 @@ does zero_grad/forward/backward/step itself, using ``ctx.model``, ``ctx.autocast
 ``ctx.backward(loss)`` (weights and scales) and ``ctx.step(*optimizers)`` (clips, steps, updates the
 scaler). The product still owns the data position, the scheduler step, checkpoints and RNG.
 
+A recipe that finds its arguments or its inputs unusable raises ``training.config.ConfigError`` (one line at
+the terminal, never retried); any other exception in a unit is retried. Build a ``LambdaLR`` from a plain
+function or closure, not a callable object: ``LambdaLR.state_dict`` saves a callable object's attributes
+and restores them over the new ones (e.g. an old total step count after a batch-size change).
+
 Trust: ``recipe`` and ``recipe_args`` arrive as flow-run parameters, from anyone allowed to create runs.
 Importing a module and calling a class is running code, so a run may only name a recipe that the
 process's own environment allows: one registered under the ``resumable_train.recipes`` entry-point
