@@ -26,7 +26,7 @@ demo: install
 # Everything, the slow end-to-end tests included. tests/integration/test_ui.py (make test-ui) needs headless
 # Chromium: it runs `apt-get install -y chromium` itself when it is missing (root, ~60 s) or skips saying why.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Lint, format check and types (CI runs it before the tests). `make format` rewrites files in place.
 lint: install
