@@ -68,7 +68,14 @@ def artifact_cards(page: browser.Page, expected: int) -> dict[str, list[dict]]:
         "[...document.querySelectorAll('.artifact-card')]"
         ".map(c => ({text: c.innerText, href: c.closest('a') ? c.closest('a').href : ''}))"
     )
-    cards = page.wait_for(lambda p: (found := p.evaluate(read)) and len(found) >= expected and found, "cards")
+
+    def rendered(found: list[dict]) -> bool:  # type, key, date, "Created" and the description: the UI fills a
+        # card's description after the card itself appears (a loaded machine caught a card without it)
+        return all(len([line for line in c["text"].splitlines() if line.strip()]) >= 5 for c in found)
+
+    cards = page.wait_for(
+        lambda p: (found := p.evaluate(read)) and len(found) >= expected and rendered(found) and found, "cards"
+    )
     by_key: dict[str, list[dict]] = {}
     for card in cards:
         lines = [line.strip() for line in card["text"].splitlines() if line.strip()]
