@@ -246,17 +246,24 @@ def _check_load_path(config: TrainConfig) -> None:
 
 
 def done_line(result: TrainResult) -> str:
-    """The last line at the terminal: what happened, and where to look."""
+    """What the terminal shows at the end: warnings, then one line that tells what happened (the faults, the
+    retries and where they resumed, the metrics) and where to look."""
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items()) or "no eval split"
-    lines = [
+    faults = "".join(
+        f" Unit {u.unit} failed {_times(u.attempt - 1)}"
+        f"{f' ({u.previous_failure})' if u.previous_failure else ''}; its retry resumed from {u.resumed_from}."
+        for u in result.units
+        if u.attempt > 1
+    )
+    line = (
         f"run {result.run_name} complete: epoch {result.epoch}, step {result.step}, {result.samples_seen} samples; "
-        f"{metrics}. Checkpoint: {result.checkpoint}"
-    ]
-    retried = [u for u in result.units if u.attempt > 1]
-    lines += [f"unit {u.unit} failed {u.attempt - 1} time(s); its retry resumed from {u.resumed_from}" for u in retried]
-    lines += [f"warning: {w}" for w in result.warnings]
-    lines.append(f"list the run's checkpoints: python -m checkpointing ls {result.store}")
-    return "\n".join(lines)
+        f"{metrics}.{faults} Checkpoint: {result.checkpoint} (list them: python -m checkpointing ls {result.store})"
+    )
+    return "\n".join([*(f"warning: {w}" for w in result.warnings), line])
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,8 @@ autoresume. Configuration mistakes, unsafe checkpoints and fenced (stale) writer
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
@@ -38,11 +40,23 @@ def retry_unless_permanent(task, task_run, state) -> bool:
 def train_unit(config: TrainConfig, unit: int, start_checkpoint: str | None = None, generation: int = 0) -> UnitResult:
     """Train unit ``unit`` of the run, resuming from its newest good checkpoint."""
     log = get_run_logger()
-    if config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp":
-        return launch_unit(config, attempt=task_run.run_count, generation=generation, log=log)
-    return run_unit(
-        config, start_checkpoint=start_checkpoint, attempt=task_run.run_count, generation=generation, log=log
-    )
+    try:
+        if config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp":
+            result = launch_unit(config, attempt=task_run.run_count, generation=generation, log=log)
+        else:
+            result = run_unit(
+                config, start_checkpoint=start_checkpoint, attempt=task_run.run_count, generation=generation, log=log
+            )
+    except Exception as exc:
+        _failures[task_run.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        raise
+    result.previous_failure = _failures.pop(task_run.id, "") if result.attempt > 1 else ""
+    return result
+
+
+# Why a task run's last attempt failed, for its retry's report. Prefect retries a task in the same process;
+# its own record of the failed state reaches the API asynchronously (events), too late to read here.
+_failures: dict[Any, str] = {}
 
 
 def unit_task(config: TrainConfig):

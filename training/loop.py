@@ -45,6 +45,7 @@ class UnitResult(BaseModel):
     resumed_from: str  # the same, for people
     steps: int
     attempt: int = 1  # this unit's attempt (a Prefect retry is attempt 2, ...)
+    previous_failure: str = ""  # why the attempt before it failed, when the orchestrator recorded it
     metrics: dict[str, float]
     num_train_samples: int
     world_size: int = 1

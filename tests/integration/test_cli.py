@@ -100,4 +100,6 @@ def test_a_run_on_a_temporary_server_ends_with_its_result_not_log_shipping_error
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Error logging to API" not in done.stdout + done.stderr
-    assert done.stdout.strip().splitlines()[-1].startswith("list the run's checkpoints: python -m checkpointing ls")
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("run default complete: epoch 1, step 8, 512 samples; loss ")
+    assert last.endswith(f"(list them: python -m checkpointing ls {tmp_path / 'runs' / 'default'})")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from flows.train import train
+from flows.train import done_line, train
 from tests import recipes_for_tests
 from tests.conftest import ROOT
 
@@ -37,6 +37,10 @@ def test_retried_unit_resumes_from_previous_checkpoint_and_matches_uninterrupted
     assert (a.epoch, a.step, a.samples_seen) == (b.epoch, b.step, b.samples_seen) == (3, 24, 768)
     assert [u.unit for u in b.units] == [0, 1, 2]
     assert b.units[1].resumed_from == f"checkpoint {b.units[0].checkpoint_name}"  # downloaded, not in memory
+    assert b.units[1].attempt == 2 and b.units[1].previous_failure == (
+        "InjectedFault: injected fault after step 12 (inject_fault_at_step=12, attempt 1)"
+    )  # the run's last line says what failed, not only that something did
+    assert "Unit 1 failed once (InjectedFault: injected fault after step 12" in done_line(b)
     assert len(CheckpointStore(faulty.save_folder, "faulty").list()) == 3
     assert_same_weights(final_weights(clean), final_weights(faulty))
     assert a.metrics == b.metrics
