@@ -12,11 +12,12 @@ from __future__ import annotations
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
-from checkpointing.export import export_checkpoint
 from flows.artifacts import RunReport
+from flows.restarts import flow_run_attempt
 from flows.train import (
     TrainResult,
     check_restart_cap,
+    finished,
     overshoot_warning,
     refuse_storage_options_from_parameters,
     resolve_start,
@@ -39,12 +40,12 @@ def train_own_loop(config: TrainConfig) -> TrainResult:
     start = store.latest()
     if start is not None:
         check_same_run(config, start)
-        if not config.autoresume and flow_run.run_count <= 1:
+        if not config.autoresume and flow_run_attempt() <= 1:
             raise ConfigError(
                 f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
                 f"autoresume=True to continue it, or choose a new run_name"
             )
-    generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run.run_count})")
+    generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run_attempt()})")
     start = resolve_start(config, store, log)
     progress = Progress.from_dict(start.progress) if start else Progress()  # the loop's counters: never rescaled
     warnings = [w for w in [overshoot_warning(config, store, start, progress)] if w]
@@ -64,22 +65,4 @@ def train_own_loop(config: TrainConfig) -> TrainResult:
     final = store.info(final_name)
     metrics = final.metrics if final else {}  # as reported, from the manifest: a rerun returns the same
     report.finish(units, metrics, started_from=started_from)
-    log.info("run %s complete: epoch %d, step %d, %d samples; checkpoint %s; %s", config.run_name, progress.epoch,
-             progress.step, progress.samples_seen, final_uri,
-             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics")  # fmt: skip
-    if config.export_on_complete:
-        log.info(export_checkpoint(final_uri, config.export_on_complete, storage_options=config.storage_options))
-    return TrainResult(
-        run_name=config.run_name,
-        checkpoint=final_uri,
-        checkpoint_name=final_name,
-        epoch=progress.epoch,
-        step=progress.step,
-        samples_seen=progress.samples_seen,
-        sample_in_epoch=progress.sample_in_epoch,
-        metrics=metrics,
-        units=units,
-        started_from=started_from,
-        store=store.uri,
-        warnings=warnings,
-    )
+    return finished(config, store, log, units, progress, (final_name, final_uri), metrics, started_from, warnings)

@@ -114,9 +114,26 @@ def train(config: TrainConfig) -> TrainResult:
     if metrics is None:
         metrics = evaluate(config, final_name)
     report.finish(units, metrics, started_from=started_from)
+    return finished(config, store, log, units, progress, (final_name, final_uri), metrics, started_from, warnings)
+
+
+def finished(
+    config: TrainConfig,
+    store: CheckpointStore,
+    log,
+    units: list[UnitResult],
+    progress: Progress,
+    final: tuple[str, str],
+    metrics: dict[str, float],
+    started_from: str,
+    warnings: list[str],
+) -> TrainResult:
+    """The end of a complete run, whoever trained it (units or a train_loop): the log line, the export, the
+    best checkpoints and the result."""
+    final_name, final_uri = final
     log.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
              config.run_name, progress.epoch, progress.step, progress.samples_seen, len(units), final_uri,
-             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))  # fmt: skip
+             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics")  # fmt: skip
     if config.export_on_complete:
         log.info(export_checkpoint(final_uri, config.export_on_complete, storage_options=config.storage_options))
     best = best_checkpoints(config, store)
