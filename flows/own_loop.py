@@ -16,35 +16,20 @@ from flows.artifacts import RunReport
 from flows.restarts import flow_run_attempt
 from flows.train import (
     TrainResult,
-    check_restart_cap,
     finished,
+    opened_run,
     overshoot_warning,
-    refuse_storage_options_from_parameters,
     resolve_start,
 )
 from tasks.own_loop import loop_task
-from training.config import ConfigError, TrainConfig
-from training.identity import check_same_run
-from training.preflight import preflight
+from training.config import TrainConfig
 from training.progress import Progress, is_complete
-from training.session import open_store
 
 
 def train_own_loop(config: TrainConfig) -> TrainResult:
     """Runs ``recipe.train_loop`` until a report reaches ``max_duration`` (called inside the ``train`` flow)."""
     log = get_run_logger()
-    check_restart_cap(config.max_restarts)
-    refuse_storage_options_from_parameters()
-    preflight(config)  # recipe allowed and constructed; options a loop of its own cannot honour are refused
-    store = open_store(config)
-    start = store.latest()
-    if start is not None:
-        check_same_run(config, start)
-        if not config.autoresume and flow_run_attempt() <= 1:
-            raise ConfigError(
-                f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
-                f"autoresume=True to continue it, or choose a new run_name"
-            )
+    store, start = opened_run(config)  # pre-flight refuses options a loop of its own cannot honour
     generation = store.claim_generation(label=f"flow run {flow_run.id or 'local'} (run {flow_run_attempt()})")
     start = resolve_start(config, store, log)
     progress = Progress.from_dict(start.progress) if start else Progress()  # the loop's counters: never rescaled

@@ -69,19 +69,8 @@ def train(config: TrainConfig) -> TrainResult:
 
         return train_own_loop(config)
     log = get_run_logger()
-    check_restart_cap(config.max_restarts)
-    refuse_storage_options_from_parameters()
-    preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
-    store = open_store(config)
-    start = store.latest()
-    if start is not None:
-        check_same_run(config, start)
-        if not config.autoresume and flow_run_attempt() <= 1:
-            raise ConfigError(
-                f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
-                f"autoresume=True to continue it, or choose a new run_name"
-            )
-    elif config.load_path:
+    store, start = opened_run(config)
+    if start is None and config.load_path:
         _check_load_path(config)
     rollback_to = pending_roll_back(config, store, log)  # a bad resume_from fails here, before anything is written
     # Claimed before resolving where to start: an older writer's commits after this point are refused.
@@ -153,6 +142,24 @@ def finished(
         best_checkpoints=[i.uri for i in best],
         best_checkpoint_names=[i.name for i in best],
     )
+
+
+def opened_run(config: TrainConfig) -> tuple[CheckpointStore, CheckpointInfo | None]:
+    """The checks every flow start makes before anything is written (restart cap, where storage options come
+    from, pre-flight, the same run, autoresume), then the run's store and its latest checkpoint."""
+    check_restart_cap(config.max_restarts)
+    refuse_storage_options_from_parameters()
+    preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
+    store = open_store(config)
+    start = store.latest()
+    if start is not None:
+        check_same_run(config, start)
+        if not config.autoresume and flow_run_attempt() <= 1:
+            raise ConfigError(
+                f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
+                f"autoresume=True to continue it, or choose a new run_name"
+            )
+    return store, start
 
 
 def final_eval(units: list[UnitResult], progress: Progress) -> dict[str, float] | None:
