@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if world.local_rank == 0 and args.result:
             Path(args.result).write_text(result.model_dump_json())
+        # Leave together: a gloo rank that tears down while another still talks to it can abort ("terminate
+        # called without an active exception"), which makes torchrun report a failure after the commit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

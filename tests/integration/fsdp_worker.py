@@ -120,6 +120,7 @@ def main() -> int:
                     f.write(json.dumps({"op": op, "world": me.world, "ranks": everyone}) + "\n")
             if any("crash" in r for r in everyone):
                 return 1
+        dist.barrier()  # leave together: a gloo rank torn down while another still talks to it can abort
     finally:
         dist.destroy_process_group()
     return 0
