@@ -1,16 +1,28 @@
-"""Writer generations: of two processes advancing one run, the older one stops.
+"""Writer generations and leases: one process trains a run at a time, and a newer one takes over without loss.
 
 Each run of the flow (a restart too) claims a generation under ``<run>/claims/`` with an exclusive
 create (O_EXCL locally, a conditional put on S3). A commit first checks that no higher generation has
 been claimed; a stale writer gets a FencedError naming who displaced it, and the newer writer logs whom
 it displaced, so two trainings of one ``run_name`` never lose work silently.
+
+A claim alone cannot stop an older writer that is still alive: it would train on, side by side with the new
+one, until its next commit is refused (seen when a worker reported one death twice and the run was restarted
+twice). So a writer also holds a *lease* (``leases/<generation>``), renewed every ``LEASE_SECONDS`` by a
+thread while it trains. A newer attempt that finds the previous lease alive asks it to stop
+(``leases/<generation>.stop``) and waits: the holder commits where it stands at its next step boundary,
+releases its lease and leaves; then the newer attempt claims and resumes from that checkpoint. A holder that
+is dead stops renewing, and its lease counts as gone ``LEASE_STALE`` seconds after its last renewal.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +33,9 @@ from checkpointing.storage import Storage
 log = logging.getLogger(__name__)
 
 CLAIMS = "claims"
+LEASES = "leases"
+LEASE_SECONDS = 5.0  # how often a holder renews its lease
+LEASE_STALE = 3 * LEASE_SECONDS  # a lease not renewed for this long belongs to a holder that is gone
 
 
 class FencedError(CheckpointError):
@@ -34,6 +49,7 @@ class Claim:
     host: str = ""
     pid: int = 0
     claimed_at: float = 0.0
+    owner: str = ""  # who trains: a flow run id, or the host and pid of a run outside Prefect
 
     def describe(self) -> str:
         age = f", {time.time() - self.claimed_at:.0f} s ago" if self.claimed_at else ""
@@ -60,17 +76,29 @@ class Fence:
                 host=str(raw.get("host", "")),
                 pid=int(raw.get("pid", 0)),
                 claimed_at=float(raw.get("claimed_at", 0.0)),
+                owner=str(raw.get("owner", "")),
             )
         except (FileNotFoundError, ValueError, TypeError):
             return Claim(generation=generation)
 
-    def claim(self, floor: int, label: str = "") -> int:
-        """Claims a generation above ``floor`` and every claim so far; logs the writer it displaces."""
+    def claim(self, floor: int, label: str = "", owner: str = "", handover_seconds: float = 0.0) -> int:
+        """Claims a generation above ``floor`` and every claim so far; logs the writer it displaces. With
+        ``handover_seconds``, a previous holder whose lease is alive is first asked to commit and stop, and
+        waited for (up to that long; then it is fenced out instead)."""
         previous = self.newest()
+        if previous and handover_seconds > 0:
+            self.take_over(previous, label, owner, handover_seconds)
         generation = max(previous, floor) + 1
         for _ in range(100):
             me = Writer.current(generation, label)
-            body = {"generation": generation, "label": label, "host": me.host, "pid": me.pid, "claimed_at": time.time()}
+            body = {
+                "generation": generation,
+                "label": label,
+                "host": me.host,
+                "pid": me.pid,
+                "claimed_at": time.time(),
+                "owner": owner,
+            }
             if self.storage.create(f"{CLAIMS}/{generation:012d}", json.dumps(body).encode()):
                 if previous:
                     log.info(
@@ -84,6 +112,51 @@ class Fence:
             generation += 1
         raise FencedError(f"{self.storage.url}: could not claim a writer generation (100 concurrent claims?)")
 
+    def take_over(self, generation: int, label: str, owner: str, timeout: float) -> bool:
+        """Asks the holder of ``generation`` to hand over (commit and stop) if its lease is alive, and waits until
+        it released the lease or stopped renewing it. Returns False when it was gone already."""
+        lease = self.read_lease(generation)
+        if lease is None or lease.get("released") or _age(lease) > LEASE_STALE:
+            return False
+        holder = self.read(generation)
+        log.warning(
+            "%s: %s still holds this run (lease renewed %.0f s ago); asking it to commit where it stands and stop",
+            self.storage.url,
+            holder.describe(),
+            max(_age(lease), 0.0),
+        )
+        request = {"by": label, "owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}
+        self.storage.put(f"{LEASES}/{generation:012d}.stop", json.dumps(request).encode())
+        deadline, beat, seen_at = time.monotonic() + timeout, lease.get("beat"), time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, LEASE_SECONDS / 2))
+            lease = self.read_lease(generation)
+            if lease is None or lease.get("released"):
+                log.info("%s: generation %d handed over", self.storage.url, generation)
+                return True
+            if lease.get("beat") != beat:
+                beat, seen_at = lease.get("beat"), time.monotonic()
+            elif time.monotonic() - seen_at > LEASE_STALE:
+                break  # it stopped renewing: gone
+        log.warning("%s: generation %d did not hand over within %.0f s; fencing it out", self.storage.url,
+                    generation, timeout)  # fmt: skip
+        return True
+
+    def read_lease(self, generation: int) -> dict[str, Any] | None:
+        try:
+            raw = json.loads(self.storage.get(f"{LEASES}/{generation:012d}", max_bytes=4096))
+        except (FileNotFoundError, ValueError, TypeError, RecursionError):
+            return None
+        return raw if isinstance(raw, dict) else None
+
+    def stop_request(self, generation: int) -> dict[str, Any] | None:
+        """The request of a newer attempt that this generation hand over, if one was made."""
+        try:
+            raw = json.loads(self.storage.get(f"{LEASES}/{generation:012d}.stop", max_bytes=4096))
+        except (FileNotFoundError, ValueError, TypeError, RecursionError):
+            return None
+        return {k: raw.get(k) for k in ("by", "owner", "host", "pid")} if isinstance(raw, dict) else None
+
     def check(self, writer: Writer, pointer_generation: int) -> None:
         newest = max(self.newest(), pointer_generation)
         if newest > writer.generation:
@@ -93,3 +166,56 @@ class Fence:
                 f"without writing. Two trainings of one run_name were running; the newer one carries on from the "
                 f"latest checkpoint."
             )
+
+
+class Lease:
+    """This writer's proof of life, renewed on a thread while it trains; ``on_stop`` is called (once, from that
+    thread) when a newer attempt asks it to hand over."""
+
+    def __init__(self, fence: Fence, generation: int, on_stop: Callable[[dict[str, Any]], None]):
+        self.fence, self.generation, self.on_stop = fence, generation, on_stop
+        self._done = threading.Event()
+        self._beat = 0
+        self._asked = False
+        self._thread = threading.Thread(target=self._run, name=f"lease-g{generation}", daemon=True)
+
+    def start(self) -> Lease:
+        self._renew(released=False)
+        self._thread.start()
+        return self
+
+    def release(self) -> None:
+        """Stops renewing and says so, so that a newer attempt need not wait for the lease to go stale."""
+        if self._done.is_set():
+            return
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=LEASE_SECONDS * 2)
+        try:
+            self._renew(released=True)
+        except Exception as exc:  # the lease then goes stale: a newer attempt waits LEASE_STALE at most
+            log.warning("could not release the lease of generation %d: %s", self.generation, exc)
+
+    def _run(self) -> None:
+        while not self._done.wait(LEASE_SECONDS):
+            try:
+                self._renew(released=False)
+                request = None if self._asked else self.fence.stop_request(self.generation)
+            except Exception as exc:  # a store hiccup: try again at the next renewal
+                log.warning("lease of generation %d not renewed: %s", self.generation, exc)
+                continue
+            if request is not None:
+                self._asked = True
+                self.on_stop(request)
+
+    def _renew(self, released: bool) -> None:
+        self._beat += 1
+        body = {"beat": self._beat, "renewed_at": time.time(), "released": released, "pid": os.getpid()}
+        self.fence.storage.put(f"{LEASES}/{self.generation:012d}", json.dumps(body).encode())
+
+
+def _age(lease: dict[str, Any]) -> float:
+    try:
+        return time.time() - float(lease.get("renewed_at", 0.0))
+    except (TypeError, ValueError):
+        return float("inf")

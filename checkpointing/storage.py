@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ from tenacity import (
     retry_if_exception,
     stop_after_attempt,
     stop_after_delay,
-    wait_random_exponential,
 )
 
 from checkpointing.hashing import BackgroundSha256
@@ -354,7 +354,7 @@ class Storage:
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
             stop=stop_after_attempt(r.attempts) | stop_after_delay(r.max_seconds),
-            wait=wait_random_exponential(multiplier=r.initial_wait, max=r.max_wait),
+            wait=_full_jitter(r.initial_wait, r.max_wait),
             before_sleep=lambda state: _log_retry(self.uri(), what, state),
             reraise=True,
         )
@@ -369,6 +369,19 @@ class Storage:
             ) from exc
         except Exception as exc:
             raise _storage_error(what, self.uri(), exc, self.is_local) from exc
+
+
+_JITTER = random.Random()  # the store's own generator: never training's (see training/rng.py)
+
+
+def _full_jitter(multiplier: float, maximum: float) -> Callable[[RetryCallState], float]:
+    """tenacity's ``wait_random_exponential`` (uniform in [0, min(max, multiplier * 2**(n-1))]), drawn from
+    the store's own generator: tenacity's draws from the global ``random`` would shift a recipe's stream."""
+
+    def wait(state: RetryCallState) -> float:
+        return _JITTER.uniform(0, min(maximum, multiplier * 2 ** (state.attempt_number - 1)))
+
+    return wait
 
 
 def _first_bytes(chunks: Iterator[bytes], limit: int | None) -> bytes:

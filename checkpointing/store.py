@@ -351,20 +351,22 @@ class CheckpointStore:
         self.storage.put(POINTER, json.dumps(pointer).encode())
         return info
 
-    def name_for(self, base: str, generation: int) -> str:
-        """``base``, or ``base-g<generation>`` when an older writer's committed checkpoint holds that name
-        (after a roll-back or a fall-back, retraining reaches the same position; nothing is overwritten)."""
+    def name_for(self, progress: dict[str, int], generation: int) -> str:
+        """The name of a checkpoint at ``progress`` (``ep<epoch>-ba<step>-sa<samples>``), or that name with
+        ``-g<generation>`` when an older writer's committed checkpoint holds it (after a roll-back or a fall-back,
+        retraining reaches the same position; nothing is overwritten). The only place names are made."""
+        base = checkpoint_name(progress)
         existing = self.info(base)
         if existing is None or existing.manifest.writer.generation == generation:
             return base
         return f"{base}-g{generation}"
 
     def prune(self, keep: int, score_attribute: str | None = None, score_order: str = "max") -> builtins.list[str]:
-        """Deletes all but ``keep`` checkpoints; never the one ``latest`` names, one in flight, or one that a
-        roll-back set aside (those are kept as a record).
-
-        Keeps the newest, or with ``score_attribute`` the best by that metric of the manifest's
-        ``metadata["metrics"]`` (``score_order`` "max" or "min"; checkpoints without it rank last)."""
+        """Deletes all checkpoints but the ``keep`` newest, or with ``score_attribute`` all but the ``keep`` best by
+        that metric of the manifest's ``metadata["metrics"]`` (``score_order`` "max" or "min"; checkpoints without
+        it rank last) *and* the newest. Never deletes the one ``latest`` names (a resume needs it), one in flight,
+        or one a roll-back set aside (kept as a record). So ``keep=1`` with a score keeps the best and the newest
+        (Ray's ``num_to_keep`` with a score; Lightning's ``save_top_k`` plus ``last``), never one for the other."""
         if keep < 0:
             return []
         pointer = self.read_pointer()
@@ -372,17 +374,19 @@ class CheckpointStore:
         rollbacks = self.rollbacks()
         ranked = [i for i in reversed(self.list()) if not _rolled_back(i, rollbacks)]  # newest first
         if score_attribute:
-            ranked.sort(key=lambda i: _score(i, score_attribute, score_order))  # stable: ties stay newest first
-        kept = [i.name for i in ranked if i.name in protected]
+            best = sorted(ranked, key=lambda i: _score(i, score_attribute, score_order))[:keep]  # stable: ties newest
+            kept = {i.name for i in best} | protected | {i.name for i in ranked[:1]}
+        else:
+            kept = set(protected)  # the newest ``keep``, counting the one latest names
+            for info in ranked:
+                if len(kept) >= keep:
+                    break
+                kept.add(info.name)
         deleted = []
         for info in ranked:
-            if info.name in protected:
-                continue
-            if len(kept) < keep:
-                kept.append(info.name)
-                continue
-            self.delete(info.name)
-            deleted.append(info.name)
+            if info.name not in kept:
+                self.delete(info.name)
+                deleted.append(info.name)
         return deleted
 
     def delete(self, name: str) -> None:
@@ -438,9 +442,11 @@ class CheckpointStore:
         self.storage.put(POINTER, json.dumps(pointer).encode())
         return later
 
-    def claim_generation(self, label: str = "") -> int:
-        """Claims a writer generation higher than any claimed before (see fencing.py)."""
-        return self.fence.claim(floor=(self.read_pointer() or {}).get("generation", 0), label=label)
+    def claim_generation(self, label: str = "", owner: str = "", handover_seconds: float = 0.0) -> int:
+        """Claims a writer generation higher than any claimed before (see fencing.py); with ``handover_seconds``, a
+        live previous holder is first asked to commit where it stands and stop."""
+        floor = (self.read_pointer() or {}).get("generation", 0)
+        return self.fence.claim(floor=floor, label=label, owner=owner, handover_seconds=handover_seconds)
 
     def check_fence(self, writer: Writer) -> None:
         self.fence.check(writer, (self.read_pointer() or {}).get("generation", 0))
@@ -460,6 +466,13 @@ class CheckpointStore:
             log.warning("checkpoint %s: %s", self.storage.uri(self._key(name)), exc)
             return None
         return CheckpointInfo(name, self.storage.uri(self._key(name)), manifest, sha256_hex(body))
+
+
+def checkpoint_name(progress: dict[str, int]) -> str:
+    """``ep<epoch>-ba<step>-sa<samples seen>``: where training stood, readable in a listing."""
+    return (
+        f"ep{int(progress.get('epoch', 0))}-ba{int(progress.get('step', 0))}-sa{int(progress.get('samples_seen', 0))}"
+    )
 
 
 def read_vouched(storage: Storage, key: str, entry: FileEntry) -> bytes:

@@ -1,0 +1,230 @@
+"""The one commit path: every checkpoint — a unit's, a ``train_loop`` report, FSDP shards, a preemption
+checkpoint — is named, written, vouched for (files → manifest → ``latest``, fenced) and pruned here.
+
+Training hands over where it stands (``progress``), what to save (objects for ``torch.save``, or a sharded
+state dict for DCP), the manifest's metadata, its writer and the retention; only this package makes names
+(``CheckpointStore.name_for``) and manifests (``CheckpointStore._publish``).
+
+A commit is made now (streamed into the store while it is hashed: no serialized copy of the state in memory)
+or in the background: the state is serialized (the only stall) and uploaded while training goes on. At most one
+background commit is in flight, so memory stays bounded at one serialized checkpoint, and ``latest`` moves only
+when the commit has written every file and the manifest; a process that dies mid-upload leaves ``latest`` on
+the previous checkpoint, and the torn folder has no manifest, so nothing torn is ever read. Either way the
+caller gets a ``PendingCommit``, which says whether it is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpointing.manifest import Writer
+from checkpointing.serialization import serialize
+from checkpointing.store import CHECKPOINTS, CheckpointInfo, CheckpointStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How many checkpoints a run keeps (-1: all), and by which reported metric the best are chosen."""
+
+    keep: int = -1
+    score_attribute: str | None = None
+    score_order: str = "max"
+
+    def apply(self, store: CheckpointStore) -> list[str]:
+        return store.prune(self.keep, self.score_attribute, self.score_order) if self.keep > 0 else []
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """What to commit (named by the store from ``progress``), and the retention to apply after it."""
+
+    store: CheckpointStore
+    name: str
+    progress: dict[str, int]
+    metadata: dict[str, Any]
+    writer: Writer
+    retention: Retention = Retention()
+    blobs: dict[str, bytes] = field(default_factory=dict)  # serialized files: what a background commit uploads
+    # Instead of ``blobs``, for a commit made now: the objects themselves, streamed into the store while they
+    # are hashed. A background commit needs the bytes: training changes the objects meanwhile.
+    objects: dict[str, Any] | None = None
+
+    @property
+    def uri(self) -> str:
+        return self.store.storage.uri(f"{CHECKPOINTS}/{self.name}")
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(b) for b in self.blobs.values())
+
+
+@dataclass
+class PendingCommit:
+    """A checkpoint handed to the store: ``committed`` once its manifest and ``latest`` are written. Carries
+    the progress and metadata it was committed with, so a caller never has to read them back."""
+
+    name: str
+    uri: str
+    size_bytes: int
+    progress: dict[str, int] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    _future: Future[CheckpointInfo] = field(repr=False, default_factory=Future)
+
+    @classmethod
+    def of(cls, info: CheckpointInfo) -> PendingCommit:
+        """An already committed checkpoint."""
+        pending = cls(info.name, info.uri, info.size_bytes, dict(info.progress), dict(info.manifest.metadata))
+        pending._future.set_result(info)
+        return pending
+
+    @property
+    def committed(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return dict(self.metadata.get("metrics") or {})
+
+    def wait(self) -> CheckpointInfo:
+        """Blocks until the commit is done; re-raises its error."""
+        return self._future.result()
+
+
+def request(
+    store: CheckpointStore,
+    progress: dict[str, int],
+    objects: dict[str, Any],
+    *,
+    metadata: dict[str, Any],
+    writer: Writer,
+    retention: Retention,
+    background: bool,
+) -> CommitRequest:
+    """The request for a checkpoint of ``objects`` (file name -> object for ``torch.save``) at ``progress``."""
+    return CommitRequest(
+        store=store,
+        name=store.name_for(progress, writer.generation),
+        progress=dict(progress),
+        metadata=metadata,
+        writer=writer,
+        retention=retention,
+        blobs=serialize(objects) if background else {},  # a snapshot to upload while training goes on
+        objects=None if background else objects,  # else streamed: no second copy of the state in memory
+    )
+
+
+def commit_sharded(
+    store: CheckpointStore,
+    progress: dict[str, int],
+    state_dict: dict[str, Any],
+    files: dict[str, Any],
+    *,
+    metadata: dict[str, Any],
+    writer: Writer,
+    retention: Retention,
+) -> PendingCommit:
+    """Every rank calls it: DCP shards of ``state_dict`` plus this rank's ``files``, committed by rank 0 under the
+    same protocol (see ``sharded.save_state``), then pruned by rank 0. Synchronous: the shards are written from the
+    live model (DCP's async_save would need a staging copy, the memory this mode saves)."""
+    from checkpointing import ranks, sharded
+
+    name = ranks.on_rank0(lambda: store.name_for(progress, writer.generation))
+    info = sharded.save_state(store, name, state_dict, files=files, progress=progress, metadata=metadata, writer=writer)
+    if (ranks.group() or (0, 1))[0] == 0:
+        retention.apply(store)
+    return PendingCommit.of(info)
+
+
+class Committer:
+    """Commits checkpoints of one process: now (``commit``) or on a background thread (``submit``)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-upload")
+        self._lock = threading.Lock()
+        self._pending: PendingCommit | None = None
+        self._pending_store_uri: str | None = None
+
+    def commit(self, request: CommitRequest) -> PendingCommit:
+        """Commits ``request`` before returning (after any commit still in flight)."""
+        self.wait()
+        return PendingCommit.of(_commit_and_prune(request))
+
+    def submit(self, request: CommitRequest) -> PendingCommit:
+        """Starts committing ``request`` in the background; first waits for (and re-raises) the previous one."""
+        if request.objects is not None:
+            raise ValueError("a background commit takes serialized blobs, not live objects")
+        self.wait()
+        pending = PendingCommit(request.name, request.uri, request.size_bytes, request.progress, request.metadata)
+        with self._lock:
+            pending._future = self._pool.submit(_commit_in_background, request)
+            self._pending, self._pending_store_uri = pending, request.store.uri
+        return pending
+
+    def send(self, request: CommitRequest) -> PendingCommit:
+        """``submit`` for a request of serialized blobs, ``commit`` for one of live objects."""
+        return self.commit(request) if request.objects is not None else self.submit(request)
+
+    def in_flight(self, store_uri: str) -> str | None:
+        """The name of the checkpoint of that store being uploaded now, if any."""
+        with self._lock:
+            pending = self._pending
+            same_store = self._pending_store_uri == store_uri
+        return pending.name if pending is not None and same_store and not pending._future.done() else None
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Blocks until the commit in flight (if any) is done; re-raises its error. With ``timeout``, a commit
+        still in flight after that long raises TimeoutError and stays in flight."""
+        with self._lock:
+            pending = self._pending
+        if pending is None:
+            return None
+        info = pending._future.result(timeout=timeout)  # TimeoutError leaves it pending
+        with self._lock:
+            if self._pending is pending:
+                self._pending, self._pending_store_uri = None, None
+        return info
+
+    def wait_quietly(self) -> CheckpointInfo | None:
+        """Like ``wait`` but logs a failure instead of raising (a retry will resume from what committed)."""
+        try:
+            return self.wait()
+        except Exception as exc:
+            log.warning(
+                "background commit failed: %s: %s; resuming from the last committed checkpoint",
+                type(exc).__name__,
+                exc,
+            )
+            with self._lock:
+                self._pending, self._pending_store_uri = None, None
+            return None
+
+
+def _commit_in_background(request: CommitRequest) -> CheckpointInfo:
+    t0 = time.perf_counter()
+    info = _commit_and_prune(request)
+    log.info(
+        "checkpoint %s committed in the background: %.1f MB in %.2fs",
+        request.name,
+        info.size_bytes / 1e6,
+        time.perf_counter() - t0,
+    )
+    return info
+
+
+def _commit_and_prune(r: CommitRequest) -> CheckpointInfo:
+    """Commits, then applies retention with the same store (which knows what is in flight)."""
+    if r.objects is not None:
+        from checkpointing.streaming import save_streaming
+
+        info = save_streaming(r.store, r.name, r.objects, progress=r.progress, metadata=r.metadata, writer=r.writer)
+    else:
+        info = r.store.commit(r.name, r.blobs, progress=r.progress, metadata=r.metadata, writer=r.writer)
+    r.retention.apply(r.store)
+    return info
