@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from training.own_loop import LoopContext
+    from training.custom_loop import LoopContext
     from training.rng import capture as capture_rng_state
     from training.rng import restore as restore_rng_state
     from training.sampler import ResumableBatchSampler
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["LoopContext", "ResumableBatchSampler", "capture_rng_state", "restore_rng_state"]
 
 _EXPORTS = {
-    "LoopContext": ("training.own_loop", "LoopContext"),
+    "LoopContext": ("training.custom_loop", "LoopContext"),
     "ResumableBatchSampler": ("training.sampler", "ResumableBatchSampler"),
     "capture_rng_state": ("training.rng", "capture"),
     "restore_rng_state": ("training.rng", "restore"),

@@ -36,7 +36,6 @@ MAX_SEED = 2**63 - 1  # torch.manual_seed and the sampler's arithmetic take sign
 MAX_BATCH = 2**31 - 1
 _RECIPE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 _METRIC_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]{0,127}$")
-_HOST_PORT = re.compile(r"^[A-Za-z0-9_.-]{1,253}:\d{1,5}$|^\[[0-9A-Fa-f:]+\]:\d{1,5}$")
 _config_file: contextvars.ContextVar[str | None] = contextvars.ContextVar("config_file", default=None)
 
 
@@ -255,9 +254,13 @@ class TrainConfig(BaseSettings):
         description="Processes per machine for each unit. Above 1, each unit runs under torchrun with "
         "DDP (gloo on CPU, nccl on CUDA).",
     )
-    nnodes: int = Field(1, ge=1, le=100_000, description="Machines that train each unit together (torchrun --nnodes).")
-    rdzv_endpoint: str | None = Field(
-        None, description="host:port of the torchrun rendezvous when nnodes > 1 (the same on every machine)."
+    nnodes: int = Field(
+        1,
+        ge=1,
+        le=100_000,
+        description="Machines that train each unit together. Above 1, the unit starts the other machines' processes "
+        "itself, as runs of the 'node' deployment on the same work pool; where they meet is the product's choice "
+        "(never a parameter's).",
     )
     num_workers: int = Field(0, ge=0, le=256, description="DataLoader worker processes.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train: auto picks CUDA when present.")
@@ -308,6 +311,18 @@ class TrainConfig(BaseSettings):
         description="With several processes: ddp (every process holds the whole model; one state.pt) or fsdp (FSDP2 "
         "fully_shard; every process writes its shards of a torch.distributed.checkpoint checkpoint).",
     )
+    preemption_grace_seconds: Annotated[float, _finite("preemption_grace_seconds", 0, 86400)] = Field(
+        25.0,
+        description="Seconds between a termination signal and the SIGKILL that follows it (Kubernetes' "
+        "terminationGracePeriodSeconds is 30 by default; Slurm: the N of --signal=TERM@N). On the signal, training "
+        "stops at the next step and commits a checkpoint there if this run's save times say it fits; else it "
+        "leaves at once and says so.",
+    )
+    preemption_signals: list[str] = Field(
+        default_factory=lambda: ["SIGTERM"],
+        description='Signals that ask for a checkpoint and a clean exit, e.g. \'["SIGTERM", "SIGUSR1"]\' for '
+        "Slurm's --signal=USR1@60.",
+    )
     log_every_n_steps: int = Field(20, ge=1, le=MAX_COUNT, description="Print a progress line every this many steps.")
     inject_fault_at_step: int | None = Field(
         None,
@@ -332,12 +347,12 @@ class TrainConfig(BaseSettings):
             raise ValueError(f"checkpoint_score_attribute={v!r}: use a metric name such as 'loss' or 'eval_accuracy'")
         return v
 
-    @field_validator("rdzv_endpoint")
+    @field_validator("preemption_signals")
     @classmethod
-    def _endpoint(cls, v: str | None) -> str | None:
-        if v is not None and not _HOST_PORT.match(v):
-            raise ValueError(f"rdzv_endpoint={v!r}: use host:port, e.g. 'node0.example:29400'")
-        return v
+    def _signals(cls, v: list[str]) -> list[str]:
+        from training.preemption import parse_signals
+
+        return [s.name for s in parse_signals(v)]
 
     @field_validator("num_checkpoints_to_keep")
     @classmethod
@@ -348,11 +363,6 @@ class TrainConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TrainConfig:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(
-                f"nnodes={self.nnodes} needs rdzv_endpoint: set it to host:port of a machine all "
-                f"nodes can reach (torchrun's c10d rendezvous)"
-            )
         if self.load_weights_only and not self.load_path:
             raise ValueError("load_weights_only=True needs load_path: set load_path to a checkpoint or run URI")
         if self.eval_interval is not None and self.eval_each_unit:
@@ -427,7 +437,7 @@ def load_config(argv: list[str] | None = None, **overrides: Any) -> TrainConfig:
         cli: CliSettingsSource[TrainConfig] = CliSettingsSource(
             TrainConfig, cli_parse_args=argv, cli_exit_on_error=False
         )
-        return TrainConfig(_cli_settings_source=cli(args=argv), **overrides)  # type: ignore[call-arg]
+        return TrainConfig(_cli_settings_source=cli(args=argv), **overrides)
     finally:
         _config_file.reset(token)
 

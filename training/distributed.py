@@ -1,127 +1,95 @@
-"""Running a unit under torchrun: PyTorch's own launcher and DDP, not a home-made one.
+"""One rank of a gang (training/gang.py): started by torchrun, serves the attempt's units until told to leave.
 
-The Prefect task calls ``launch_unit``, which starts ``torchrun`` in a process group of its own and
-waits. Each rank runs ``main`` here: it joins the process group (gloo on CPU, nccl on CUDA), trains its
-share of every global batch, and rank 0 commits the checkpoint with every rank's RNG state. If any
-rank dies, torchrun stops the others and exits non-zero; ``launch_unit`` then kills whatever is left
-of the group, so a retry starts with no orphan processes and no held ports.
+Each rank joins the process group (gloo on CPU, nccl on CUDA). Global rank 0 connects to the unit task's process
+(``TRAIN_GANG_ADDRESS``, with the gang's token) and reads its commands; every command is passed to the other
+ranks through the process group, so all ranks run the same unit (``training.loop.run_unit``, with their own
+warm session kept between units) or the same loop of the user's own (``training.custom_loop``). Rank 0 sends
+back the result, and a loop's reports as they happen.
+
+Any error ends this rank: it writes what it raised to the gang's folder (``error-rank<r>.json``, typed: see
+training/errors.py) and exits non-zero; torchrun then stops the others. A stop request reaches a rank as a
+termination signal of its own or, forwarded by the parent, through rank 0's connection; the ranks agree on it at
+the next step boundary (training/preemption.py). A rank dies with torchrun, which dies with the unit's process.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import signal
-import subprocess
+import queue
+import socket
 import sys
-import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
-from training.config import TrainConfig, load_config
-from training.recipe import ALLOWED_ENV, resolve_recipe
+from training import preemption
+from training.config import TrainConfig
+from training.errors import error_record
+from training.gang import ADDRESS_ENV, FOLDER_ENV, MAX_MESSAGE, TOKEN_ENV
+from training.processes import die_with_parent_now
+from training.session import World
 
 logger = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
-class DistributedUnitError(RuntimeError):
-    """A torchrun unit ended without a result (a rank failed or was killed). Retried by Prefect."""
+class ParentChannel:
+    """Rank 0's connection to the unit task's process: commands in (a queue), results and reports out."""
+
+    def __init__(self, address: str, token: str):
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.sock.settimeout(None)
+        self._lock = threading.Lock()
+        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.send({"token": token})
+        threading.Thread(target=self._read, name="gang-commands", daemon=True).start()
+
+    def _read(self) -> None:
+        with self.sock.makefile("rb") as stream:
+            for line in stream:
+                if len(line) > MAX_MESSAGE:
+                    break
+                message = json.loads(line)
+                if message.get("op") == "stop":  # acted on by the training thread at its next step boundary
+                    preemption.STOP.request(str(message.get("kind", "signal")), str(message.get("reason", "")))
+                else:
+                    self.commands.put(message)
+        self.commands.put({"op": "exit", "why": "the unit's process closed the connection"})
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
 
 
-def die_with_parent() -> None:
-    """``preexec_fn`` for children that must not outlive this process: the kernel sends SIGKILL when the parent
-    dies, even by SIGKILL (Linux; elsewhere a no-op)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def serve(world: World, channel: ParentChannel | None) -> None:
+    """Runs the parent's commands on every rank until it says exit."""
+    import torch.distributed as dist
 
+    from training.custom_loop import run_custom_loop
+    from training.loop import run_unit
+    from training.warm import SessionCache
 
-def torchrun_command(config: TrainConfig, args: list[str], rdzv_id: str) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={config.nproc_per_node}",
-        "--max-restarts=0",
-    ]
-    if config.nnodes > 1:
-        cmd += [
-            f"--nnodes={config.nnodes}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={config.rdzv_endpoint}",
-            f"--rdzv-id={rdzv_id}",
-        ]
-    else:
-        cmd += ["--standalone"]  # rendezvous on a free local port
-    return [*cmd, "-m", "training.distributed", *args]
-
-
-def launch_unit(config: TrainConfig, *, attempt: int, generation: int, log):
-    """Runs one unit under torchrun and returns rank 0's UnitResult."""
-    from training.loop import UnitResult
-
-    with tempfile.TemporaryDirectory(prefix="unit-") as tmp:
-        config_file, result_file = Path(tmp, "config.json"), Path(tmp, "result.json")
-        config_file.write_text(config.model_dump_json())  # storage_options excluded: passed by environment
-        config_file.chmod(0o600)
-        args = [
-            "--config",
-            str(config_file),
-            "--result",
-            str(result_file),
-            "--attempt",
-            str(attempt),
-            "--generation",
-            str(generation),
-        ]
-        env = dict(os.environ)
-        if config.storage_options:
-            env["TRAIN_STORAGE_OPTIONS"] = json.dumps(config.storage_options)
-        # This process already decided the recipe may run here; its ranks inherit that decision, nothing more.
-        env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), resolve_recipe(config.recipe)]))
-        rdzv_id = f"{config.run_name}-g{generation}-a{attempt}"
-        cmd = torchrun_command(config, args, rdzv_id)
-        log.info(
-            "unit (attempt %d): torchrun with %d process(es) per node on %d node(s)",
-            attempt,
-            config.nproc_per_node,
-            config.nnodes,
-        )
-        code = _run_group(cmd, env, log)
-        if not result_file.exists():
-            raise DistributedUnitError(
-                f"torchrun exited with code {code} before the unit committed; all its "
-                f"processes were stopped (a retry resumes from the last checkpoint)"
-            )
-        if code != 0:  # the result is written only after the commit: the unit is done, only teardown failed
-            log.warning("torchrun exited with code %d after the unit committed; keeping its result", code)
-        return UnitResult.model_validate_json(result_file.read_text())
-
-
-def _run_group(cmd: list[str], env: dict[str, str], log) -> int:
-    """Runs ``cmd`` in a new session, relays its output, and always leaves nothing of it running."""
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # torchrun stops its ranks when the unit's process dies, however it dies
-    )
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            log.info("%s", line.rstrip())
-        return proc.wait()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks torchrun could not stop, or any we were interrupted in
-        proc.wait()
+    cache = SessionCache()
+    while True:
+        box: list[Any] = [channel.commands.get() if channel is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        command = box[0]
+        if command.get("op") == "exit":
+            return
+        config = TrainConfig(**command["config"])
+        args = {"attempt": int(command.get("attempt", 1)), "generation": int(command["generation"])}
+        if command["op"] == "loop":
+            on_report = (lambda r: channel.send({"report": r.model_dump()})) if channel is not None else None
+            result = run_custom_loop(config, world=world, cache=cache, on_report=on_report, **args)
+        else:
+            result = run_unit(config, start_checkpoint=command.get("start_checkpoint"), world=world, cache=cache,
+                              **args)  # fmt: skip
+        if channel is not None:
+            channel.send({"result": result.model_dump()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,60 +97,39 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from training.loop import run_unit
-    from training.session import World
-
     parser = argparse.ArgumentParser(description=__doc__)
-    for flag in ("--config", "--result"):
-        parser.add_argument(flag)
-    parser.add_argument("--attempt", type=int, default=1)
-    parser.add_argument(
-        "--generation",
-        type=int,
-        default=None,
-        help="writer generation; without it rank 0 claims a new one (standalone use)",
-    )
+    parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
+    die_with_parent_now(os.getppid())  # torchrun: when it goes, this rank goes
     logging.basicConfig(level=logging.INFO, format="[rank %(rank)s] %(message)s")
     world = World(
         rank=int(os.environ["RANK"]), size=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ["LOCAL_RANK"])
     )
     logging.getLogger().handlers[0].addFilter(_RankFilter(world.rank))
-    # From the unit task: a config file. Standalone (e.g. a Kubernetes Job per unit): TRAIN_* variables.
-    config = TrainConfig(**json.loads(Path(args.config).read_text())) if args.config else load_config([])
+    config = TrainConfig(**json.loads(Path(args.config).read_text()))
     use_nccl = torch.cuda.is_available() and config.device != "cpu"
     if use_nccl:
         torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if use_nccl else "gloo")
-    if world.rank == 0:
-        logger.info("%d process(es) joined a %s process group", world.size, dist.get_backend())
+    folder = Path(os.environ.get(FOLDER_ENV, "."))
+    channel = None
     try:
-        generation = args.generation if args.generation is not None else _claim_on_rank0(config, world)
-        result = run_unit(
-            config,
-            attempt=args.attempt,
-            generation=generation,
-            world=world,
-            log=logger,
-        )
-        if world.local_rank == 0 and args.result:
-            Path(args.result).write_text(result.model_dump_json())
-        # Leave together: a gloo rank that tears down while another still talks to it can abort ("terminate
-        # called without an active exception"), which makes torchrun report a failure after the commit.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        with preemption.handling(config.preemption_signals):
+            dist.init_process_group("nccl" if use_nccl else "gloo")
+            if world.rank == 0:
+                logger.info("%d process(es) joined a %s process group", world.size, dist.get_backend())
+                channel = ParentChannel(os.environ[ADDRESS_ENV], os.environ[TOKEN_ENV])
+            serve(world, channel)
+            dist.barrier()  # leave together: a gloo rank torn down while another still talks to it aborts
+    except BaseException as exc:
+        record = error_record(exc, world.rank)
+        (folder / f"error-rank{world.rank}.json").write_text(json.dumps(record))
+        if channel is not None:
+            with contextlib.suppress(OSError):
+                channel.send({"error": record})
+        logger.error("rank %d: %s: %s", world.rank, type(exc).__name__, exc)
+        os._exit(1)  # no teardown that could wait on a peer that is gone
+    dist.destroy_process_group()
     return 0
-
-
-def _claim_on_rank0(config: TrainConfig, world) -> int:
-    import torch.distributed as dist
-
-    from training.session import open_store
-
-    box = [open_store(config).claim_generation(label="torchrun unit") if world.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0] or 0)
 
 
 class _RankFilter(logging.Filter):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -12,7 +14,7 @@ from checkpointing.store import STATE_FILE
 from training import session as sessions
 from training.config import TrainConfig
 from training.context import RunContext
-from training.loop import to_device
+from training.hooks import Hooks
 from training.recipe import load_recipe
 from training.warm import PROCESS, SessionCache
 
@@ -32,7 +34,7 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: Sessio
     # In training's micro-batches, not the global batch: one process must hold this batch's activations.
     world = config.nproc_per_node * config.nnodes
     batch = RunContext.of(config, world_size=world).micro_batch_size
-    return evaluate_model(recipe, model, device, batch, getattr(recipe, "ctx", None))
+    return evaluate_model(recipe, model, device, batch, recipe.ctx)
 
 
 def _model_weights(store, name: str) -> dict:
@@ -45,18 +47,26 @@ def _model_weights(store, name: str) -> dict:
 
 
 def evaluate_model(
-    recipe, model: torch.nn.Module, device: torch.device, batch_size: int, ctx: RunContext | None = None
+    recipe,
+    model: torch.nn.Module,
+    device: torch.device,
+    batch_size: int,
+    ctx: RunContext | None = None,
+    between_batches: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Sample-weighted means of ``recipe.evaluate`` over its eval split ({} without one), under the run's
-    autocast. The loader has its own generator: evaluating never moves the training RNG streams."""
-    if not (callable(getattr(recipe, "eval_dataset", None)) and callable(getattr(recipe, "evaluate", None))):
+    autocast. The loader has its own generator: evaluating never moves the training RNG streams.
+    ``between_batches`` is called before each batch (it may raise to cut the evaluation short)."""
+    hooks = Hooks.of(recipe)
+    if hooks.eval_dataset is None or hooks.evaluate is None:
         return {}
-    dataset = recipe.eval_dataset()
+    evaluate = hooks.evaluate
+    dataset = hooks.eval_dataset()
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=False,
-        collate_fn=getattr(recipe, "collate_fn", None),
+        collate_fn=hooks.collate_fn,
         generator=torch.Generator().manual_seed(0),
     )
     totals: dict[str, float] = {}
@@ -67,13 +77,25 @@ def evaluate_model(
     try:
         with torch.no_grad(), autocast:
             for batch in loader:
+                if between_batches is not None:
+                    between_batches()
                 n = _batch_len(batch)
-                for k, v in recipe.evaluate(model, to_device(batch, device)).items():
+                for k, v in evaluate(model, to_device(batch, device)).items():
                     totals[k] = totals.get(k, 0.0) + float(v) * n
                 count += n
     finally:
         model.train(was_training)
     return {k: v / max(count, 1) for k, v in totals.items()}
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 def _batch_len(batch) -> int:

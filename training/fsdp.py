@@ -42,6 +42,7 @@ from checkpointing import (
     ranks,
     sharded,
 )
+from checkpointing.commit import PendingCommit, Retention, commit_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,6 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 def save_sharded(
     store: CheckpointStore,
-    name: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any],
@@ -96,22 +96,24 @@ def save_sharded(
     rank_extra: dict[str, Any] | None = None,
     progress: dict[str, int],
     metadata: dict[str, Any] | None = None,
-    writer: Writer | None = None,
-) -> CheckpointInfo:
+    writer: Writer,
+    retention: Retention | None = None,
+) -> PendingCommit:
     """Every rank calls it: writes its shards and its ``rank_extra``; rank 0 also ``extra``, then commits
-    (manifest, then ``latest``). Every rank returns the committed checkpoint or raises the same error."""
+    (manifest, then ``latest``) through the one commit path. Every rank returns the committed checkpoint or
+    raises the same error."""
     rank = dist.get_rank()
     files = {rank_extra_file(rank): rank_extra or {}}
     if rank == 0:
         files[EXTRA_FILE] = extra
-    return sharded.save_state(
+    return commit_sharded(
         store,
-        name,
+        progress,
         state_dicts(model, optimizer),
-        files=files,
-        progress=progress,
+        files,
         metadata={**(metadata or {}), "parallelism": "fsdp"},
         writer=writer,
+        retention=retention or Retention(),
     )
 
 

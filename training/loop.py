@@ -1,7 +1,9 @@
 """One unit of training, in plain PyTorch: resolve where to start, train to the unit boundary, commit.
 
 Every unit begins by resolving the run's newest good checkpoint (``session.restore``), so a Prefect
-retry, a restarted flow or a new process elsewhere all resume the same way.
+retry, a restarted flow or a new process elsewhere all resume the same way. A stop request (a termination
+signal, a newer attempt taking over: training/preemption.py) ends the unit early at a step boundary, with a
+checkpoint there, and raises ``Preempted``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
 from checkpointing import CheckpointStore
-from checkpointing.uploader import PendingCommit
+from checkpointing.commit import PendingCommit
+from training import preemption
 from training import session as sessions
 from training.config import ConfigError, TrainConfig
+from training.evaluation import evaluate_model, to_device
+from training.preemption import Preempted, SaveBudget, Stop
 from training.progress import crossed, ends_unit, is_complete, samples_left, unit_index
 from training.sampler import ResumableBatchSampler
 from training.session import SINGLE_PROCESS, Session, World
@@ -33,7 +38,7 @@ class InjectedFault(RuntimeError):
 
 
 class UnitResult(BaseModel):
-    """What a unit reports: small, no tensors."""
+    """What a unit (or a ``train_loop`` report) reports: small, no tensors."""
 
     unit: int
     checkpoint: str
@@ -51,40 +56,61 @@ class UnitResult(BaseModel):
     world_size: int = 1
 
 
+class _StopAtStep(Exception):
+    """Internal: a stop request was agreed at a step boundary (or during an evaluation)."""
+
+    def __init__(self, stop: Stop):
+        super().__init__(stop.reason)
+        self.stop = stop
+
+
+BUDGETS: dict[str, SaveBudget] = {}  # per run (store URI): this process's save times, for the grace budget
+
+
 def run_unit(
     config: TrainConfig,
     *,
     start_checkpoint: str | None = None,
     attempt: int = 1,
     generation: int = 0,
-    log: logging.Logger | logging.LoggerAdapter = logger,
     world: World = SINGLE_PROCESS,
     cache: SessionCache = PROCESS,
 ) -> UnitResult:
     """Trains one unit and commits its checkpoint. ``start_checkpoint`` is where the flow expects it to start
     (this process's state is reused only for that one); ``generation`` fences stale writers."""
     store = sessions.open_store(config)
-    session, origin = cache.take(config, store, start_checkpoint) if world.size == 1 else (None, None)
+    budget = BUDGETS.setdefault(store.uri, SaveBudget(config.preemption_grace_seconds))
+    session, origin = cache.take(config, store, start_checkpoint, world)
+    if world.size > 1 and not _everywhere(session is not None):
+        if session is not None:
+            cache.release(session)
+        session = origin = None
     if session is None or origin is None:
         cache.committer.wait_quietly()  # a cold resume must see what the previous unit committed
-        session, origin = sessions.restore(config, store, log, world)
+        session, origin = sessions.restore(config, store, world)
     unit = unit_index(session.progress, config.interval)
     p = session.progress
     if world.rank == 0:
-        log.info("unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
-                 unit, attempt, origin.text, p.epoch, p.step, p.samples_seen)  # fmt: skip
+        logger.info("unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
+                    unit, attempt, origin.text, p.epoch, p.step, p.samples_seen)  # fmt: skip
     try:
-        metrics, steps = _train(config, session, unit, attempt, log)
+        metrics, steps, stop = _train(config, session, unit, attempt)
+        if stop is not None and steps == 0:
+            raise _preempted(stop, origin.checkpoint, session, None, cache)
+        if stop is not None and not budget.fits(stop):
+            raise _preempted(stop, origin.checkpoint, session, None, cache, budget.why_not(stop))
         pending = _commit(config, store, session, cache, metrics, generation)
+        budget.observe(metrics["checkpoint_seconds"])
+        if stop is not None:
+            raise _preempted(stop, pending.name, session, metrics["checkpoint_seconds"], cache)
         if is_complete(session.progress, config.duration):
             cache.committer.wait()  # the run is done only when its last checkpoint is committed
     except BaseException:
         cache.release(session)  # a failed attempt's state must not leak into the retry
         raise
-    if world.size == 1:
-        cache.keep(config, store, session, pending.name)
+    cache.keep(config, store, session, pending.name)
     if world.rank == 0:
-        _log_unit_done(log, unit, session, pending, metrics)
+        _log_unit_done(unit, session, pending, metrics)
     return UnitResult(
         unit=unit,
         checkpoint=pending.uri,
@@ -102,12 +128,32 @@ def run_unit(
     )
 
 
-def _log_unit_done(log, unit: int, s: Session, pending: PendingCommit, metrics: dict[str, float]) -> None:
+def _preempted(
+    stop: Stop, checkpoint: str | None, s: Session, seconds: float | None, cache: SessionCache, note: str = ""
+) -> Preempted:
+    """The exception that ends a stopped unit; an upload still in flight is finished first (within the grace)."""
+    try:
+        cache.committer.wait()
+    except Exception as exc:  # that upload is lost; the relaunch resumes from what did commit
+        note = f"{note}; the background upload before it failed ({type(exc).__name__})".lstrip("; ")
+    return Preempted(stop, checkpoint, s.progress.step, seconds, note)
+
+
+def _everywhere(ok: bool) -> bool:
+    """True on every rank when ``ok`` is True on every rank (a collective)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[str, float]) -> None:
     p, how = s.progress, "committed in" if pending.committed else "handed to the upload after"
-    log.info(
-        "unit %d done: loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
+    logger.info(
+        "unit %d done: train_loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
         "%d samples seen",
-        unit, metrics["loss"], metrics["samples_per_second"], pending.name, pending.size_bytes / 1e6, how,
+        unit, metrics["train_loss"], metrics["samples_per_second"], pending.name, pending.size_bytes / 1e6, how,
         metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen,
     )  # fmt: skip
 
@@ -130,72 +176,93 @@ def _commit(
 
     from training import rng
 
+    s.rng_state = rng.capture()
     states: list[Any] | None = [None] * s.world.size if s.world.rank == 0 else None
-    dist.gather_object(rng.capture(), states, dst=0)
+    dist.gather_object(s.rng_state, states, dst=0)
     box: list[Any] = [None]
     if s.world.rank == 0:
-        box = [sessions.save(config, store, s, cache.committer, metrics, generation, rng_states=states).wait()]
-    dist.broadcast_object_list(box, src=0)  # every rank learns what was committed (or rank 0's error ends all)
-    return PendingCommit.of(box[0])
+        try:
+            info = sessions.save(config, store, s, cache.committer, metrics, generation, rng_states=states).wait()
+            box = [(info, dict(metrics), None)]
+        except Exception as exc:
+            box = [(None, None, exc)]
+    dist.broadcast_object_list(box, src=0)  # every rank learns what was committed, or rank 0's error
+    info, committed_metrics, error = box[0]
+    if error is not None:
+        raise error
+    metrics.update(committed_metrics)
+    return PendingCommit.of(info)
 
 
 # -- train ----------------------------------------------------------------------------------------
-def _train(config: TrainConfig, s: Session, unit: int, attempt: int, log) -> tuple[dict[str, float], int]:
+def _train(config: TrainConfig, s: Session, unit: int, attempt: int) -> tuple[dict[str, float], int, Stop | None]:
+    """Trains to the end of the unit, or to the step boundary where a stop was agreed (returned)."""
     p, epoch_size = s.progress, len(s.dataset)
     s.model.train()
-    hook = getattr(s.recipe, "on_train_batch", None)
-    own_step = getattr(s.recipe, "train_step", None)
     losses: list[float] = []
     norms: list[float] = []
     evaluated: dict[str, float] = {}
     start_samples, t0 = p.samples_seen, time.perf_counter()
-    while not is_complete(p, config.duration):
+    stop = preemption.agreed_stop(s.world.size)  # asked during start-up: nothing trained, nothing to save
+    while stop is None and not is_complete(p, config.duration):
         sampler, loader = _loader(config, s, epoch_size)
         unit_over, batches = False, iter(loader)
         for micro, global_n in sampler.steps():
-            if hook is not None:
-                hook([i for ids in micro for i in ids])  # every step, even an empty share: ranks stay aligned
-            if own_step is not None:
-                losses.append(_own_step(s, own_step, next(batches), sum(map(len, micro)), global_n))
+            if s.hooks.on_train_batch is not None:
+                s.hooks.on_train_batch([i for ids in micro for i in ids])  # every step, even an empty share
+            if s.hooks.train_step is not None:
+                losses.append(_own_step(s, s.hooks.train_step, next(batches), sum(map(len, micro)), global_n))
             else:
                 losses.append(_step(s, micro, global_n, batches))
             if s.ctx is not None and s.ctx.last_grad_norm is not None:
                 norms.append(s.ctx.last_grad_norm)
             epoch_ended = p.advance(global_n, epoch_size)
-            if config.eval_every is not None and crossed(p, config.eval_every, epoch_ended, global_n):
-                evaluated = _evaluate(config, s, log)
+            try:
+                if config.eval_every is not None and crossed(p, config.eval_every, epoch_ended, global_n):
+                    evaluated = _evaluate(config, s)
+            except _StopAtStep as stopped:  # the evaluation was cut short; the step it followed stands
+                stop = stopped.stop
+                break
             if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
                 rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
-                log.info("unit %d: step %d, epoch %d, sample %d/%d, loss %.4f, %.0f samples/s", unit, p.step,
-                         p.epoch, p.sample_in_epoch or epoch_size, epoch_size, losses[-1], rate)  # fmt: skip
+                logger.info("unit %d: step %d, epoch %d, sample %d/%d, train_loss %.4f, %.0f samples/s", unit,
+                            p.step, p.epoch, p.sample_in_epoch or epoch_size, epoch_size, losses[-1], rate)  # fmt: skip
             if config.inject_fault_at_step == p.step and attempt == 1:
                 raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
             if ends_unit(p, config.interval, config.duration, epoch_ended, global_n):
                 unit_over = True
+                break
+            stop = preemption.agreed_stop(s.world.size)
+            if stop is not None:
                 break
         if unit_over:
             break
     seconds = time.perf_counter() - t0
     trained = p.samples_seen - start_samples
     metrics = {
-        "loss": sum(losses) / max(len(losses), 1),
+        "train_loss": sum(losses) / max(len(losses), 1),
         "samples": float(trained),
         "train_seconds": seconds,
         "samples_per_second": trained / max(seconds, 1e-9),
         **({"grad_norm": sum(norms) / len(norms)} if norms else {}),
         **evaluated,
     }
-    return metrics, len(losses)
+    return metrics, len(losses), stop
 
 
-def _evaluate(config: TrainConfig, s: Session, log) -> dict[str, float]:
+def _evaluate(config: TrainConfig, s: Session) -> dict[str, float]:
     """Evaluates inside the unit (eval_interval); the metrics, prefixed ``eval_``, go into the checkpoint's
-    manifest. Every process evaluates (an FSDP forward needs them all); the training RNG is not touched."""
-    from training.evaluation import evaluate_model
-
+    manifest. Every process evaluates (an FSDP forward needs them all); the training RNG is not touched. A stop
+    agreed between two evaluation batches cuts it short (``_StopAtStep``)."""
     assert s.ctx is not None
+
+    def stop_check() -> None:
+        stop = preemption.agreed_stop(s.world.size)
+        if stop is not None:
+            raise _StopAtStep(stop)
+
     model = s.forward_model or s.model  # evaluated in micro-batches: no more memory than a training pass holds
-    metrics = evaluate_model(s.recipe, model, s.device, s.ctx.micro_batch_size, s.ctx)
+    metrics = evaluate_model(s.recipe, model, s.device, s.ctx.micro_batch_size, s.ctx, between_batches=stop_check)
     s.model.train()
     out = {f"eval_{k}": v for k, v in metrics.items()}
     attribute = config.checkpoint_score_attribute
@@ -206,7 +273,8 @@ def _evaluate(config: TrainConfig, s: Session, log) -> dict[str, float]:
         )
     out["eval_step"] = float(s.progress.step)
     if s.world.rank == 0:
-        log.info("evaluation at step %d: %s", s.progress.step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        logger.info("evaluation at step %d: %s", s.progress.step,
+                    ", ".join(f"eval_{k} {v:.4f}" for k, v in metrics.items()))  # fmt: skip
     return out
 
 
@@ -224,7 +292,7 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
         shuffle=config.shuffle,
         rank=s.world.rank,
         world_size=s.world.size,
-        micro_batches=config.grad_accumulation if not callable(getattr(s.recipe, "train_step", None)) else 1,
+        micro_batches=config.grad_accumulation if s.hooks.train_step is None else 1,
     )
     # The loader's own generator (worker seeds) is derived from the position, not from global RNG.
     generator = torch.Generator().manual_seed(hash((config.seed, p.epoch, p.sample_in_epoch, s.world.rank)) % 2**63)
@@ -235,7 +303,7 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
         batch_sampler=sampler,
         num_workers=config.num_workers,
         generator=generator,
-        collate_fn=getattr(s.recipe, "collate_fn", None),
+        collate_fn=s.hooks.collate_fn,
         pin_memory=s.device.type == "cuda",
         multiprocessing_context=context,
     )
@@ -287,13 +355,3 @@ def _gradient_sync(s: Session, last: bool) -> Any:
         return contextlib.nullcontext()
     no_sync = getattr(s.forward_model, "no_sync", None)
     return contextlib.nullcontext() if last or not callable(no_sync) else no_sync()
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch

@@ -8,6 +8,7 @@ model is built on PyTorch's meta device (shapes, no memory), and for real only i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,22 @@ import torch
 
 from checkpointing.hashing import sha256_hex
 from training.config import ConfigError, TrainConfig
-from training.own_loop import check_own_loop, uses_own_loop
-from training.recipe import describe_recipe, load_recipe, open_dataset
+from training.hooks import Hooks
+from training.recipe import describe_recipe, load_recipe, open_dataset, uses_own_loop
+
+logger = logging.getLogger(__name__)
+# Options of the unit loop that a loop of the user's own cannot honour: set explicitly, they earn a warning.
+IGNORED_BY_CUSTOM_LOOPS = (
+    "save_interval",
+    "eval_interval",
+    "eval_each_unit",
+    "grad_clip_norm",
+    "grad_accumulation",
+    "ignore_data_skip",
+    "data_skip_steps",
+    "num_workers",
+    "log_every_n_steps",
+)
 
 MAX_EPOCH_SAMPLES = 2**31 - 1  # the epoch's sample order is a permutation held in memory (8 bytes a sample)
 _passed: set[str] = set()
@@ -29,7 +44,7 @@ def preflight(config: TrainConfig) -> int:
     A recipe with its own ``train_loop`` builds everything inside the loop: only its constructor and the
     options are checked, and 0 is returned (the product never sees its data)."""
     if uses_own_loop(config):
-        check_own_loop(config)
+        check_custom_loop(config)
         return 0
     key = sha256_hex(config.model_dump_json().encode())
     recipe = load_recipe(config)
@@ -49,12 +64,27 @@ def preflight(config: TrainConfig) -> int:
     return size
 
 
-TRAIN_METRICS = ("loss", "samples", "train_seconds", "samples_per_second", "checkpoint_seconds")
+TRAIN_METRICS = ("train_loss", "samples", "train_seconds", "samples_per_second", "checkpoint_seconds")
+
+
+def check_custom_loop(config: TrainConfig) -> None:
+    """Start-up checks for a recipe with ``train_loop``: it constructs, and no option asks for what the loop owns."""
+    if config.parallelism == "fsdp":
+        raise ConfigError(
+            "parallelism='fsdp': a recipe with train_loop shards nothing itself (its reports commit rank 0's "
+            "state); use parallelism='ddp' and shard inside train_loop, or a recipe with build_model/loss for FSDP"
+        )
+    load_recipe(config)  # its constructor's complaints about recipe_args, as one ConfigError
+    ignored = sorted(set(config.model_fields_set) & set(IGNORED_BY_CUSTOM_LOOPS))
+    if ignored:
+        logger.warning("%s: not used with a recipe that has train_loop (the loop decides when to report)",
+                       ", ".join(ignored))  # fmt: skip
 
 
 def check_options(config: TrainConfig, recipe: Any) -> None:
     """Options that depend on what the recipe defines: refused now, not silently ignored later."""
-    if callable(getattr(recipe, "train_step", None)) and config.grad_accumulation > 1:
+    hooks = Hooks.of(recipe)
+    if hooks.train_step is not None and config.grad_accumulation > 1:
         raise ConfigError(
             f"grad_accumulation={config.grad_accumulation}: {type(recipe).__name__} has its own train_step, which gets "
             f"the process's whole share of the batch; split it there (ctx.grad_accumulation), or leave "
@@ -64,7 +94,7 @@ def check_options(config: TrainConfig, recipe: Any) -> None:
     if attribute is None:
         return
     known = [*TRAIN_METRICS, *(["grad_norm"] if config.grad_clip_norm is not None else [])]
-    evaluates = callable(getattr(recipe, "eval_dataset", None)) and callable(getattr(recipe, "evaluate", None))
+    evaluates = hooks.evaluates
     if attribute.startswith("eval_"):
         if not evaluates:
             raise ConfigError(
@@ -86,7 +116,7 @@ def check_options(config: TrainConfig, recipe: Any) -> None:
 def _build(recipe: Any, where: str) -> None:
     model = _calling(where, "build_model()", recipe.build_model)
     optimizer = _calling(where, "build_optimizer(model)", lambda: recipe.build_optimizer(model))
-    build_scheduler = getattr(recipe, "build_scheduler", None)
+    build_scheduler = Hooks.of(recipe).build_scheduler
     if build_scheduler is not None:
         _calling(where, "build_scheduler(optimizer)", lambda: build_scheduler(optimizer))
 

@@ -54,14 +54,16 @@ from typing import Any, Protocol
 
 from training.config import ConfigError, TrainConfig
 from training.context import RunContext
+from training.hooks import REQUIRED, Hooks, missing_required
 
 ENTRY_POINT_GROUP = "resumable_train.recipes"
 ALLOWED_ENV = "TRAIN_ALLOWED_RECIPES"
-_REQUIRED = ("build_model", "train_dataset", "build_optimizer", "loss")
 _allowed_in_process: set[str] = set()
 
 
 class Recipe(Protocol):
+    ctx: Any  # the run context, set by load_recipe
+
     def build_model(self) -> Any: ...
     def train_dataset(self) -> Any: ...
     def build_optimizer(self, model: Any) -> Any: ...
@@ -124,13 +126,18 @@ def recipe_class(config: TrainConfig) -> type:
         raise ConfigError(f"recipe={config.recipe!r}: {module_name!r} has no {class_name!r}") from exc
     if not inspect.isclass(cls):
         raise ConfigError(f"recipe={config.recipe!r}: {path} is a {type(cls).__name__}, not a recipe class")
-    missing = [m for m in _REQUIRED if not callable(getattr(cls, m, None))]
-    if missing and not callable(getattr(cls, "train_loop", None)):
+    missing = missing_required(cls)
+    if missing:
         raise ConfigError(
             f"recipe={config.recipe!r}: {path} is not a recipe: no {', '.join(missing)}; a recipe defines "
-            f"{', '.join(_REQUIRED)} (or train_loop for a loop of its own)"
+            f"{', '.join(REQUIRED)} (or train_loop for a loop of its own)"
         )
     return cls
+
+
+def uses_own_loop(config: TrainConfig) -> bool:
+    """Whether the recipe brings its own loop (``train_loop``), which then wins over build_model/loss/..."""
+    return Hooks.of(recipe_class(config)).own_loop
 
 
 def load_recipe(config: TrainConfig, ctx: RunContext | None = None) -> Recipe:
@@ -150,9 +157,8 @@ def load_recipe(config: TrainConfig, ctx: RunContext | None = None) -> Recipe:
 def open_dataset(recipe: Any) -> Any:
     """``recipe.train_dataset()``, its size recorded in ``recipe.ctx`` (for ``ctx.total_steps``)."""
     dataset = recipe.train_dataset()
-    ctx = getattr(recipe, "ctx", None)
-    if isinstance(ctx, RunContext):
-        ctx.num_train_samples = len(dataset)
+    if isinstance(recipe.ctx, RunContext):
+        recipe.ctx.num_train_samples = len(dataset)
     return dataset
 
 

@@ -11,13 +11,16 @@ set it aside still holds.
 
 from __future__ import annotations
 
+import logging
+
 from checkpointing import CheckpointStore, NotACheckpointError, Writer
 from training.config import ConfigError, TrainConfig
 
+logger = logging.getLogger(__name__)
 _LISTED = 5
 
 
-def pending_roll_back(config: TrainConfig, store: CheckpointStore, log) -> str | None:
+def pending_roll_back(config: TrainConfig, store: CheckpointStore) -> str | None:
     """The checkpoint ``resume_from`` still has to roll the run back to, or None (unset, or already applied).
 
     Checked before the flow claims or writes anything: a name that is no checkpoint of the run, or one whose
@@ -27,7 +30,7 @@ def pending_roll_back(config: TrainConfig, store: CheckpointStore, log) -> str |
         return None
     last = max(store.rollbacks(), key=lambda r: r["generation"], default=None)
     if last is not None and last["to"] == target:
-        log.info(
+        logger.info(
             "resume_from=%s: already applied (roll-back by writer generation %d); continuing from the run's "
             "newest checkpoint",
             target,
@@ -58,14 +61,14 @@ def pending_roll_back(config: TrainConfig, store: CheckpointStore, log) -> str |
     return target
 
 
-def roll_back(store: CheckpointStore, target: str, generation: int, log) -> list[str]:
+def roll_back(store: CheckpointStore, target: str, generation: int) -> list[str]:
     """Rolls the run back to ``target`` as writer ``generation``; logs and returns what was set aside."""
     try:
         set_aside = store.roll_back(target, Writer.current(generation))
     except NotACheckpointError as exc:  # a file that changed since pending_roll_back looked at its size
         raise ConfigError(str(exc)) from exc
     later = ", ".join(set_aside) if set_aside else "none (it was the newest)"
-    log.info(
+    logger.info(
         "resume_from=%s: rolled run %s back; checkpoints that stop being candidates: %s (kept in %s, "
         "recorded under rollbacks/)",
         target,

@@ -15,16 +15,18 @@ from typing import Any
 import torch
 
 from checkpointing import CheckpointStore, LoadedCheckpoint, Writer, open_checkpoint_uri
-from checkpointing.serialization import serialize
+from checkpointing import commit as commits
+from checkpointing.commit import Committer, PendingCommit, Retention
 from checkpointing.storage import RetrySettings
 from checkpointing.store import STATE_FILE
-from checkpointing.uploader import CommitRequest, Committer, PendingCommit
 from training import rng
 from training.config import ConfigError, TrainConfig
 from training.context import RunContext
+from training.hooks import Hooks
 from training.identity import check_same_run, run_identity
 from training.progress import Progress, rescaled
 from training.recipe import Recipe, load_recipe, open_dataset
+from training.state import SMALL, TrainState
 from training.warm_start import load_weights
 
 logger = logging.getLogger(__name__)
@@ -76,11 +78,21 @@ class Session:
     scaler: Any = None  # fp16's GradScaler
     rng_state: dict[str, Any] | None = None
     data_skip_applied: dict[str, Any] | None = None  # the data-skip options already applied to this run
+    hooks: Hooks = field(default_factory=Hooks)
+
+    @property
+    def state(self) -> TrainState:
+        """The stateful parts, one bundle: what ``save`` writes is what ``restore`` reads."""
+        return TrainState(self.model, self.optimizer, self.scheduler, self.scaler, self.hooks)
 
 
 def store_retry(config: TrainConfig) -> RetrySettings:
     """The run's object-store retry policy (every store call of the run, release.json included)."""
     return RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
+
+
+def retention(config: TrainConfig) -> Retention:
+    return Retention(config.num_checkpoints_to_keep, config.checkpoint_score_attribute, config.checkpoint_score_order)
 
 
 def open_store(config: TrainConfig) -> CheckpointStore:
@@ -98,23 +110,23 @@ def pick_device(config: TrainConfig, world: World = SINGLE_PROCESS) -> torch.dev
 
 
 # -- restore --------------------------------------------------------------------------------------
-def restore(config: TrainConfig, store: CheckpointStore, log, world: World = SINGLE_PROCESS) -> tuple[Session, Origin]:
+def restore(config: TrainConfig, store: CheckpointStore, world: World = SINGLE_PROCESS) -> tuple[Session, Origin]:
     """Builds the recipe's objects and loads the run's newest good checkpoint, load_path, or nothing."""
     device = pick_device(config, world)
     ctx = RunContext.of(config, rank=world.rank, world_size=world.size, local_rank=world.local_rank, device=device)
     recipe = load_recipe(config, ctx)
+    hooks = Hooks.of(recipe)
     dataset = open_dataset(recipe)
     rng.seed_all(config.seed)
     if config.parallelism == "fsdp":
-        return _restore_sharded(config, store, log, world, recipe, dataset, ctx)
+        return _restore_sharded(config, store, world, recipe, dataset, ctx)
     model = recipe.build_model().to(device)
     optimizer = recipe.build_optimizer(model)
-    build_scheduler = getattr(recipe, "build_scheduler", None)
-    scheduler = build_scheduler(optimizer) if build_scheduler else None
+    scheduler = hooks.build_scheduler(optimizer) if hooks.build_scheduler else None
     progress = Progress(global_batch_size=config.global_batch_size)
-    session = Session(recipe, dataset, model, optimizer, scheduler, progress, device, world, ctx=ctx)
+    session = Session(recipe, dataset, model, optimizer, scheduler, progress, device, world, ctx=ctx, hooks=hooks)
     session.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
-    origin = _load_into(config, store, session, log)
+    origin = _load_into(config, store, session)
     if world.size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -124,16 +136,17 @@ def restore(config: TrainConfig, store: CheckpointStore, log, world: World = SIN
     return session, origin
 
 
-def _restore_sharded(config: TrainConfig, store: CheckpointStore, log, world: World, recipe: Any, dataset: Any,
+def _restore_sharded(config: TrainConfig, store: CheckpointStore, world: World, recipe: Any, dataset: Any,
                      ctx: RunContext) -> tuple[Session, Origin]:  # fmt: skip
     """parallelism='fsdp': the model is sharded with FSDP2 before its optimizer is built, and checkpoints
     are DCP shards that every rank reads (only what its shards need) and writes in parallel."""
     from training import fsdp
 
+    hooks = Hooks.of(recipe)
     model = recipe.build_model()
     origin = Origin("fresh")
     if store.latest() is None and config.load_path:  # weights go into the whole model, before it is sharded
-        weights_from = load_weights(config, model, log)
+        weights_from = load_weights(config, model)
         if weights_from is None:
             raise ConfigError(
                 f"load_path={config.load_path!r}: with parallelism='fsdp' a new run takes weights only; set "
@@ -142,10 +155,9 @@ def _restore_sharded(config: TrainConfig, store: CheckpointStore, log, world: Wo
         origin = Origin("load_path", None, weights_from)
     fsdp.shard_model(model, ctx.device)
     optimizer = recipe.build_optimizer(model)
-    build_scheduler = getattr(recipe, "build_scheduler", None)
-    scheduler = build_scheduler(optimizer) if build_scheduler else None
+    scheduler = hooks.build_scheduler(optimizer) if hooks.build_scheduler else None
     progress = Progress(global_batch_size=config.global_batch_size)
-    session = Session(recipe, dataset, model, optimizer, scheduler, progress, ctx.device, world, ctx=ctx)
+    session = Session(recipe, dataset, model, optimizer, scheduler, progress, ctx.device, world, ctx=ctx, hooks=hooks)
     session.scaler = _sharded_scaler() if config.precision == "fp16" else None
     ctx.model, ctx.optimizer, ctx.scaler = model, optimizer, session.scaler
     found = fsdp.restore_latest(store, model, optimizer)
@@ -155,16 +167,14 @@ def _restore_sharded(config: TrainConfig, store: CheckpointStore, log, world: Wo
         return session, origin
     info, extra = found
     check_same_run(config, info)
-    _apply_extras(session, extra.common, info)
+    session.state.load_state_dict(extra.common, SMALL)
+    session.progress = Progress.from_dict(info.progress)
     session.data_skip_applied = info.manifest.metadata.get("data_skip_applied")
-    if extra.rank is not None:
-        rng.restore(extra.rank)
-    else:  # the world grew: this rank has no saved stream; derive one from the position
-        rng.seed_all(info.progress.get("samples_seen", 0) * 1000 + world.rank)
-    reposition(config, session, log)
+    _restore_rng(session, extra.rank, info)
+    reposition(config, session)
     if world.rank == 0:
-        log.info("resharded %s (saved by %s process(es)) onto %d; this rank read %d file(s)", info.name,
-                 info.manifest.metadata.get("world_size"), world.size, len(extra.files_read))  # fmt: skip
+        logger.info("resharded %s (saved by %s process(es)) onto %d; this rank read %d file(s)", info.name,
+                    info.manifest.metadata.get("world_size"), world.size, len(extra.files_read))  # fmt: skip
     return session, Origin("store", info.name, f"checkpoint {info.name}")
 
 
@@ -174,24 +184,24 @@ def _sharded_scaler() -> Any:
     return ShardedGradScaler()  # agrees on inf/nan across ranks: each holds only its shards' gradients
 
 
-def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, log) -> Origin:
+def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) -> Origin:
     files = [STATE_FILE, session.world.rng_file]
     _refuse_sharded(store)
     loaded = store.load_latest(files)
     if loaded is not None:
         check_same_run(config, loaded.info)
-        _apply(session, loaded, weights_only=False, log=log)
-        reposition(config, session, log)
+        _apply(session, loaded)
+        reposition(config, session)
         return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
     if config.load_path:
-        weights_from = load_weights(config, session.model, log)  # a weights file, or a folder's weights only
+        weights_from = load_weights(config, session.model)  # a weights file, or a folder's weights only
         if weights_from is not None:
             session.data_skip_applied = requested_data_skip(config)  # a new run: nothing to skip
             return Origin("load_path", None, weights_from)
         loaded = open_checkpoint_uri(config.load_path, storage_options=config.storage_options, files=files)
-        _apply(session, loaded, weights_only=False, log=log)
+        _apply(session, loaded)
         session.data_skip_applied = None  # another run's record: this run has applied nothing yet
-        reposition(config, session, log)
+        reposition(config, session)
         return Origin("load_path", None, f"state of {loaded.info.uri} (load_path)")
     if session.world.size > 1:
         rng.seed_all(config.seed + session.world.rank)  # same initial weights everywhere, own RNG streams after
@@ -199,7 +209,8 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session, lo
     return Origin("fresh")
 
 
-def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) -> None:
+def _apply(session: Session, loaded: LoadedCheckpoint) -> None:
+    """Loads a ``state.pt`` checkpoint into the session: every part of the bundle, progress, data-skip record, RNG."""
     state = loaded.objects[STATE_FILE]
     try:
         session.model.load_state_dict(state["state"]["model"])
@@ -208,34 +219,20 @@ def _apply(session: Session, loaded: LoadedCheckpoint, weights_only: bool, log) 
             f"{loaded.info.uri} does not fit the model this configuration builds: {str(exc).splitlines()[0]} "
             f"(check recipe and recipe_args)"
         ) from exc
-    if weights_only:
-        return
-    session.optimizer.load_state_dict(state["state"]["optimizer"])
-    _apply_extras(session, state["state"], loaded.info)
+    session.state.load_state_dict(state["state"], [p for p in state["state"] if p != "model"])
+    session.progress = Progress.from_dict(loaded.info.progress)
     session.data_skip_applied = loaded.info.manifest.metadata.get("data_skip_applied")
-    rank = session.world.rank
-    if rng_file(rank) in loaded.objects:
-        rng.restore(loaded.objects[rng_file(rank)])
-    else:  # the world grew: this rank has no saved stream; derive one from the position
-        rng.seed_all(loaded.info.progress.get("samples_seen", 0) * 1000 + rank)
-        log.info(
-            "rank %d: %s has no RNG state for this rank (saved with world size %s); seeded a new stream",
-            rank,
-            loaded.info.name,
-            loaded.info.manifest.metadata.get("world_size"),
-        )
+    _restore_rng(session, loaded.objects.get(rng_file(session.world.rank)), loaded.info)
 
 
-def _apply_extras(session: Session, state: dict[str, Any], info: Any) -> None:
-    """What a checkpoint holds besides model and optimizer: scheduler, fp16 scaler, the recipe's own state."""
-    if session.scheduler is not None and state.get("scheduler") is not None:
-        session.scheduler.load_state_dict(state["scheduler"])
-    if session.scaler is not None and state.get("scaler") is not None:
-        session.scaler.load_state_dict(state["scaler"])  # fp16 on resume: the scale it had reached
-    load_own_state = getattr(session.recipe, "load_state_dict", None)
-    if callable(load_own_state) and state.get("recipe") is not None:
-        load_own_state(state["recipe"])
-    session.progress = Progress.from_dict(info.progress)
+def _restore_rng(session: Session, state: dict[str, Any] | None, info: Any) -> None:
+    if state is not None:
+        rng.restore(state)
+        return
+    rank = session.world.rank  # the world grew: this rank has no saved stream; derive one from the position
+    rng.seed_all(info.progress.get("samples_seen", 0) * 1000 + rank)
+    logger.info("rank %d: %s has no RNG state for this rank (saved with world size %s); seeded a new stream",
+                rank, info.name, info.manifest.metadata.get("world_size"))  # fmt: skip
 
 
 def _refuse_sharded(store: CheckpointStore) -> None:
@@ -255,7 +252,7 @@ def requested_data_skip(config: TrainConfig) -> dict[str, Any] | None:
     return {"ignore_data_skip": config.ignore_data_skip, "data_skip_steps": config.data_skip_steps}
 
 
-def reposition(config: TrainConfig, session: Session, log) -> None:
+def reposition(config: TrainConfig, session: Session) -> None:
     """Carries the data position over to this run's global batch size, and applies the data-skip options
     once per run: the checkpoint records that they were applied, so a restart does not skip again."""
     p, new = session.progress, config.global_batch_size
@@ -264,13 +261,13 @@ def reposition(config: TrainConfig, session: Session, log) -> None:
         old_step, old_size = p.step, p.global_batch_size
         session.progress = p = rescaled(p, new)
         if not _continue_schedule(session.scheduler, p.step):
-            log.warning(
+            logger.warning(
                 "%s has no closed form: its step counter now reads %d, but its learning rate continues from where "
                 "it was",
                 type(session.scheduler).__name__,
                 p.step,
             )
-        log.info(
+        logger.info(
             "global_batch_size changed %d -> %d: %d samples already trained; epoch %d resumes at sample "
             "%d of %d (nothing repeated or dropped); the step counter, LR schedule and '<n>ba' durations "
             "continue at step %d = %d // %d (was step %d)",
@@ -284,12 +281,12 @@ def reposition(config: TrainConfig, session: Session, log) -> None:
         return
     session.data_skip_applied = requested
     if config.ignore_data_skip:
-        log.info("ignore_data_skip: epoch %d restarts from its first sample (was at sample %d); applied once "
-                 "(recorded in the checkpoint)", p.epoch, p.sample_in_epoch)  # fmt: skip
+        logger.info("ignore_data_skip: epoch %d restarts from its first sample (was at sample %d); applied once "
+                    "(recorded in the checkpoint)", p.epoch, p.sample_in_epoch)  # fmt: skip
         p.sample_in_epoch = 0
     elif config.data_skip_steps is not None:
         target = min(config.data_skip_steps * new, epoch_size)
-        log.info(
+        logger.info(
             "data_skip_steps=%d: epoch %d resumes at sample %d (= %d batches of %d; was sample %d); applied once "
             "(recorded in the checkpoint)",
             config.data_skip_steps, p.epoch, target, config.data_skip_steps, new, p.sample_in_epoch,
@@ -331,36 +328,20 @@ def save(
     and uploaded in the background while the next unit trains.
 
     ``rng_states`` holds every rank's RNG state (gathered by rank 0) when several processes train."""
-    p = s.progress
     s.rng_state = rng.capture()
-    state = {
-        "state": {
-            "model": s.model.state_dict(),
-            "optimizer": s.optimizer.state_dict(),
-            "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
-            "scaler": s.scaler.state_dict() if s.scaler is not None else None,
-            "recipe": _recipe_state(s.recipe),
-        },
-        "progress": p.as_dict(),
-    }
     t0 = time.perf_counter()
-    objects = {STATE_FILE: state}
+    objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
     objects.update({rng_file(r): st for r, st in enumerate(rng_states or [s.rng_state])})
-    background = use_async_upload(config, store) and s.world.size == 1
-    request = CommitRequest(
-        store=store,
-        name=store.name_for(f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}", generation),
-        blobs=serialize(objects) if background else {},  # a snapshot to upload while training goes on
-        objects=None if background else objects,  # else streamed: no second copy of the state in memory
-        progress=p.as_dict(),
+    request = commits.request(
+        store,
+        s.progress.as_dict(),
+        objects,
         metadata=checkpoint_metadata(config, s, metrics),
         writer=Writer.current(generation),
-        keep=config.num_checkpoints_to_keep,
-        score=(config.checkpoint_score_attribute, config.checkpoint_score_order)
-        if config.checkpoint_score_attribute
-        else None,
+        retention=retention(config),
+        background=use_async_upload(config, store) and s.world.size == 1,
     )
-    pending = committer.submit(request) if background else committer.commit(request)
+    pending = committer.send(request)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
     return pending
 
@@ -369,50 +350,35 @@ def save_sharded(
     config: TrainConfig, store: CheckpointStore, s: Session, metrics: dict[str, float], generation: int
 ) -> PendingCommit:
     """parallelism='fsdp': every rank writes its shards and its RNG state; rank 0 commits after all
-    reported (manifest, then ``latest``), then applies retention. Synchronous: the shards are written
-    from the live model (DCP's async_save would need a staging copy, the memory this mode saves)."""
+    reported (manifest, then ``latest``), then applies retention."""
     from training import fsdp
 
-    p = s.progress
     t0 = time.perf_counter()
-    extra = {
-        "scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
-        "scaler": s.scaler.state_dict() if s.scaler is not None else None,
-        "recipe": _recipe_state(s.recipe),
-        "progress": p.as_dict(),
-    }
-    info = fsdp.save_sharded(
+    pending = fsdp.save_sharded(
         store,
-        store.name_for(f"ep{p.epoch}-ba{p.step}-sa{p.samples_seen}", generation),
         s.model,
         s.optimizer,
-        extra,
+        {**s.state.state_dict(SMALL), "progress": s.progress.as_dict()},
         rank_extra=rng.capture(),
-        progress=p.as_dict(),
+        progress=s.progress.as_dict(),
         metadata=checkpoint_metadata(config, s, metrics),
         writer=Writer.current(generation),
+        retention=retention(config),
     )
-    if s.world.rank == 0 and config.num_checkpoints_to_keep > 0:
-        store.prune(config.num_checkpoints_to_keep, config.checkpoint_score_attribute, config.checkpoint_score_order)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0
-    return PendingCommit.of(info)
+    return pending
 
 
-def _recipe_state(recipe: Any) -> Any:
-    """The recipe's own state (``state_dict()``, optional): e.g. a second optimizer of a custom train_step."""
-    own = getattr(recipe, "state_dict", None)
-    return own() if callable(own) else None
-
-
-def checkpoint_metadata(config: TrainConfig, s: Session, metrics: dict[str, float]) -> dict[str, Any]:
+def checkpoint_metadata(config: TrainConfig, s: Session | None, metrics: dict[str, float]) -> dict[str, Any]:
+    """What a checkpoint's manifest says of the run (``check_same_run`` reads it) besides the progress."""
     return {
         "config": run_identity(config),
         "config_fingerprint": config.fingerprint(),
         "recipe": run_identity(config)["recipe"],
         "global_batch_size": config.global_batch_size,
-        "world_size": s.world.size,
+        "world_size": s.world.size if s is not None else 1,
         "seed": config.seed,
-        "data_skip_applied": s.data_skip_applied,
+        "data_skip_applied": s.data_skip_applied if s is not None else None,
         "metrics": {k: float(v) for k, v in metrics.items()},
     }
 

@@ -14,10 +14,10 @@ import logging
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.uploader import Committer
+from checkpointing.commit import Committer
 from training import rng
 from training.config import TrainConfig
-from training.session import Origin, Session, pick_device, requested_data_skip
+from training.session import SINGLE_PROCESS, Origin, Session, World, pick_device, requested_data_skip
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +31,24 @@ class SessionCache:
         self._key: tuple = ()
 
     @staticmethod
-    def key(config: TrainConfig, store: CheckpointStore, name: str) -> tuple:
-        return (store.uri, name, config.fingerprint(), config.global_batch_size, str(pick_device(config)))
+    def key(config: TrainConfig, store: CheckpointStore, name: str, world: World = SINGLE_PROCESS) -> tuple:
+        return (store.uri, name, config.fingerprint(), config.global_batch_size, config.parallelism, world,
+                str(pick_device(config, world)))  # fmt: skip
 
     def peek(self, config: TrainConfig, store: CheckpointStore, name: str) -> Session | None:
         """The kept session if it is clean at checkpoint ``name`` of this run and config (not taken out)."""
-        return self._session if self._session is not None and self._key == self.key(config, store, name) else None
+        session = self._session
+        if session is None or self._key != self.key(config, store, name, session.world):
+            return None
+        return session
 
     def take(
-        self, config: TrainConfig, store: CheckpointStore, expected: str | None
+        self, config: TrainConfig, store: CheckpointStore, expected: str | None, world: World = SINGLE_PROCESS
     ) -> tuple[Session | None, Origin | None]:
         """Takes the kept session out for a unit, if it is the checkpoint the flow expects the unit to start
         from (``expected``, which the flow verified) and still the run's newest state."""
         session, key, self._session, self._key = self._session, self._key, None, ()
-        if session is None or expected is None or key != self.key(config, store, expected):
+        if session is None or expected is None or key != self.key(config, store, expected, world):
             if session is not None:
                 self.release(session)
             return None, None
@@ -53,14 +57,14 @@ class SessionCache:
             latest = store.latest()
             name, how = (latest.name if latest else None), "not downloaded"
         same_options = session.data_skip_applied == requested_data_skip(config)
-        if name is not None and key == self.key(config, store, name) and same_options and session.rng_state:
+        if name is not None and key == self.key(config, store, name, world) and same_options and session.rng_state:
             rng.restore(session.rng_state)
             return session, Origin("memory", name, f"checkpoint {name} (in memory, {how})")
         self.release(session)
         return None, None
 
     def keep(self, config: TrainConfig, store: CheckpointStore, session: Session, name: str) -> None:
-        self._session, self._key = session, self.key(config, store, name)
+        self._session, self._key = session, self.key(config, store, name, session.world)
 
     def release(self, session: Session) -> None:
         """Drops a session's objects so that nothing of a failed attempt survives into a retry."""

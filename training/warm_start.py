@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
 import torch
 
@@ -24,7 +23,7 @@ from training.recipe import load_recipe
 logger = logging.getLogger(__name__)
 
 
-def load_weights(config: TrainConfig, model: torch.nn.Module, log: Any = logger) -> str | None:
+def load_weights(config: TrainConfig, model: torch.nn.Module) -> str | None:
     """Loads ``load_path``'s weights into ``model`` when weights are what it gives (a weights file, or a
     folder with load_weights_only) and says where they came from; None when a folder's full state is wanted."""
     found = _read(config)
@@ -42,10 +41,10 @@ def load_weights(config: TrainConfig, model: torch.nn.Module, log: Any = logger)
     except WeightsError as exc:
         raise ConfigError(str(exc)) from exc
     if report.stripped_prefix:
-        log.info("load_path: stripped the prefix %r that wraps every key of the file", report.stripped_prefix)
+        logger.info("load_path: stripped the prefix %r that wraps every key of the file", report.stripped_prefix)
     if not config.load_weights_only:
-        log.info("load_path is a weights file: weights only; optimizer, scheduler and progress start fresh")
-    log.info("load_path: %s (%s)", report.summary(), weights.description)
+        logger.info("load_path is a weights file: weights only; optimizer, scheduler and progress start fresh")
+    logger.info("load_path: %s (%s)", report.summary(), weights.description)
     return origin
 
 

@@ -1,0 +1,251 @@
+"""The rank processes of one attempt: started once with torchrun, kept across units, told what to do over a socket.
+
+A unit on several processes used to be a fresh ``torchrun`` per unit: every unit paid interpreter start, torch
+import, process-group set-up and a cold restore (~10 s here for under 2 s of training). A gang is started by the
+attempt's first distributed unit (PyTorch's own launcher: ``torchrun --standalone``) and kept: each further unit
+is a command to the ranks that are already up, with their sessions still in memory (training/warm.py), and still
+its own Prefect task with its own retry and checkpoint.
+
+The parent (the unit task's process) listens on a loopback port; global rank 0 connects with a one-time token and
+relays commands to the other ranks through the process group. Rank 0 answers with the unit's result, the reports
+of a loop of its own (``on_report``), or an error. Any failure ends the gang: a rank that raises writes what it
+raised to the gang's folder and exits, torchrun stops the others, and the parent raises that error — typed
+(a ``ConfigError``, an ``UnsafeCheckpointError`` naming its file, ``Preempted``...), so that what must not be retried
+is not — or ``DistributedUnitError`` (retried: the retry starts a fresh gang that resumes from the last checkpoint).
+Nothing outlives the parent: torchrun dies with it (``PR_SET_PDEATHSIG``), and so does each rank with torchrun.
+
+A stop request of the parent (a termination signal, a newer attempt taking over) is forwarded to rank 0; the ranks
+agree on it at their next step boundary (training/preemption.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import secrets
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from training import preemption
+from training.config import ConfigError, TrainConfig
+from training.errors import error_from_record
+from training.loop import UnitResult
+from training.processes import die_with_parent, kill_group
+from training.recipe import ALLOWED_ENV, resolve_recipe
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_ENV, TOKEN_ENV, FOLDER_ENV = "TRAIN_GANG_ADDRESS", "TRAIN_GANG_TOKEN", "TRAIN_GANG_FOLDER"
+START_TIMEOUT = 300.0  # seconds for torchrun's ranks to start and rank 0 to call back (imports on a loaded machine)
+MAX_MESSAGE = 64 * 1024 * 1024  # a result or report line; anything longer is not rank 0's
+
+
+class DistributedUnitError(RuntimeError):
+    """The ranks ended without a result (a rank failed or was killed). Retried by Prefect: the retry starts a
+    fresh gang that resumes from the last checkpoint."""
+
+
+class Gang:
+    """torchrun's ranks for one attempt of one run (``key``), and the socket to its rank 0."""
+
+    def __init__(self, config: TrainConfig, key: tuple):
+        self.key, self.config = key, config
+        self._folder = tempfile.TemporaryDirectory(prefix="gang-")
+        self._token = secrets.token_hex(16)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._conn: socket.socket | None = None
+        self._buffer = b""
+        self._stop_sent = False
+        self.proc = self._launch()
+        self._relay = threading.Thread(target=self._relay_output, name="gang-output", daemon=True)
+        self._relay.start()
+        self._accept()
+
+    # -- start ------------------------------------------------------------------------------------
+    def _launch(self) -> subprocess.Popen:
+        if self.config.nnodes > 1:
+            raise ConfigError(f"nnodes={self.config.nnodes}: training across machines is not available in this build")
+        folder = Path(self._folder.name)
+        config_file = folder / "config.json"
+        config_file.write_text(self.config.model_dump_json())  # storage_options excluded: passed by environment
+        config_file.chmod(0o600)
+        env = dict(os.environ)
+        if self.config.storage_options:
+            env["TRAIN_STORAGE_OPTIONS"] = json.dumps(self.config.storage_options)
+        # This process already decided the recipe may run here; its ranks inherit that decision, nothing more.
+        env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), resolve_recipe(self.config.recipe)]))
+        env.update({ADDRESS_ENV: f"127.0.0.1:{self._listener.getsockname()[1]}", TOKEN_ENV: self._token,
+                    FOLDER_ENV: str(folder)})  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.config.nproc_per_node}",
+               "--max-restarts=0", "--standalone", "-m", "training.distributed", "--config", str(config_file)]  # fmt: skip
+        logger.info("starting %d rank process(es) with torchrun (kept for the units of this attempt)",
+                    self.config.nproc_per_node)  # fmt: skip
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own group: stopping it takes every rank with it
+            preexec_fn=die_with_parent,  # torchrun (and, through theirs, its ranks) die with this process
+        )
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while self._conn is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise self._failure("the ranks did not start")
+            ready, _, _ = select.select([self._listener], [], [], 0.2)
+            if not ready:
+                continue
+            conn, _ = self._listener.accept()
+            conn.settimeout(30)
+            try:
+                hello = json.loads(self._read_line(conn))
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            if isinstance(hello, dict) and secrets.compare_digest(str(hello.get("token")), self._token):
+                conn.settimeout(None)
+                self._conn = conn
+            else:
+                conn.close()  # not our rank 0
+
+    def _relay_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            logger.info("%s", line.rstrip())
+
+    # -- commands -----------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._conn is not None and self.proc.poll() is None
+
+    def run(self, command: dict[str, Any], on_report: Callable[[UnitResult], None] | None = None) -> UnitResult:
+        """Sends ``command`` to the ranks and waits for its result, passing reports to ``on_report``."""
+        self._send(command)
+        while True:
+            message = self._next_message()
+            if "report" in message:
+                if on_report is not None:
+                    on_report(UnitResult.model_validate(message["report"]))
+            elif "result" in message:
+                return UnitResult.model_validate(message["result"])
+            elif "error" in message:
+                self.close()
+                raise error_from_record(message["error"])
+
+    def _next_message(self) -> dict[str, Any]:
+        assert self._conn is not None
+        while b"\n" not in self._buffer:
+            self._forward_stop()
+            ready, _, _ = select.select([self._conn], [], [], 0.2)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            chunk = self._conn.recv(1 << 20)
+            if not chunk:
+                break
+            self._buffer += chunk
+            if len(self._buffer) > MAX_MESSAGE:
+                break
+        if b"\n" not in self._buffer:
+            self.close()
+            raise self._failure("the ranks stopped before the unit was done")
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _forward_stop(self) -> None:
+        stop = preemption.STOP.current
+        if stop is not None and not self._stop_sent:
+            self._stop_sent = True
+            self._send({"op": "stop", "kind": stop.kind, "reason": stop.reason})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._conn is None:
+            raise DistributedUnitError("the ranks are gone")
+        try:
+            self._conn.sendall(json.dumps(message).encode() + b"\n")
+        except OSError as exc:
+            self.close()
+            raise self._failure(f"the ranks stopped listening ({exc})") from exc
+
+    @staticmethod
+    def _read_line(conn: socket.socket) -> bytes:
+        data = b""
+        while not data.endswith(b"\n") and len(data) < 4096:
+            chunk = conn.recv(4096 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    # -- end ------------------------------------------------------------------------------------------
+    def _failure(self, what: str) -> BaseException:
+        """The error a rank recorded before it died (typed), else DistributedUnitError."""
+        records = sorted(Path(self._folder.name).glob("error-rank*.json"), key=lambda p: p.stat().st_mtime)
+        for path in records:
+            try:
+                return error_from_record(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        code = self.proc.poll()
+        return DistributedUnitError(
+            f"{what} (torchrun exit code {code}); all its processes were stopped (a retry resumes from the last "
+            f"checkpoint)"
+        )
+
+    def close(self) -> None:
+        """Asks the ranks to leave, then makes sure nothing of the gang is left running."""
+        if self._conn is not None:
+            try:
+                self._conn.sendall(b'{"op": "exit"}\n')
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._conn.close()
+            self._conn = None
+        kill_group(self.proc.pid)  # ranks torchrun could not stop, or any left after a failure
+        self.proc.wait()
+        self._listener.close()
+        _GANGS.pop(self.key, None)
+
+
+_GANGS: dict[tuple, Gang] = {}
+
+
+def gang_key(config: TrainConfig, generation: int) -> tuple:
+    return (config.save_folder, config.run_name, generation, config.nproc_per_node, config.nnodes,
+            config.parallelism, config.device, config.fingerprint())  # fmt: skip
+
+
+def run_on_gang(config: TrainConfig, command: dict[str, Any], generation: int,
+                on_report: Callable[[UnitResult], None] | None = None) -> UnitResult:  # fmt: skip
+    """Runs ``command`` on this attempt's gang, starting one (and closing any other) when there is none alive."""
+    key = gang_key(config, generation)
+    gang = _GANGS.get(key)
+    if gang is None or not gang.alive:
+        close_gangs()
+        gang = _GANGS[key] = Gang(config, key)
+    payload = {**command, "config": json.loads(config.model_dump_json()), "generation": generation}
+    return gang.run(payload, on_report)
+
+
+def close_gangs() -> None:
+    for gang in list(_GANGS.values()):
+        gang.close()
+
+
+atexit.register(close_gangs)

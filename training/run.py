@@ -1,0 +1,300 @@
+"""One run's lifecycle, without Prefect: open → checks → claim → roll back → resolve the start → units or a loop
+of its own → finish. The ``train`` flow (and a test, or a script with no scheduler) drives it:
+
+    with Run.open(config) as run:
+        while not run.complete:
+            run.record(run_unit(config, start_checkpoint=run.head, generation=run.generation))
+        result = run.finish(run.final_metrics() or evaluate_checkpoint(config, run.head))
+
+Both loops go through it (a recipe's own ``train_loop`` is one unit that reports many checkpoints), and so does
+every way of running a run again: the newest good checkpoint decides where it starts. Opening claims the run for
+this attempt (a writer generation, and a lease: checkpointing/fencing.py), taking it over from a previous attempt
+that is still alive; closing releases the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from checkpointing import CheckpointInfo, CheckpointStore
+from checkpointing.export import export_checkpoint
+from checkpointing.fencing import LEASE_STALE, Lease
+from checkpointing.store import split_run_uri
+from training.config import ConfigError, TrainConfig
+from training.identity import check_same_run
+from training.loop import UnitResult, run_unit
+from training.preemption import STOP, raise_if_requested
+from training.preflight import preflight
+from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
+from training.recipe import uses_own_loop
+from training.rollback import pending_roll_back, roll_back
+from training.session import open_store
+from training.trust import check_locations
+from training.warm_start import check_load_path
+
+logger = logging.getLogger(__name__)
+
+MAX_REPEATS = 2  # units that end where an earlier one ended, before the run stops instead of retraining
+
+
+class TrainResult(BaseModel):
+    """What a run reports: where it stands and where its last checkpoint is (never the model)."""
+
+    run_name: str
+    checkpoint: str
+    checkpoint_name: str = ""
+    epoch: int
+    step: int
+    samples_seen: int
+    sample_in_epoch: int
+    metrics: dict[str, float]  # the final evaluation's, named eval_<metric> (a loop of its own: its last report's)
+    units: list[UnitResult]
+    started_from: str
+    store: str = ""
+    warnings: list[str] = []
+    best_checkpoints: list[str] = []  # URIs, best first by checkpoint_score_attribute (empty without it)
+    best_checkpoint_names: list[str] = []  # the same checkpoints' names
+    best_checkpoint_metrics: list[dict[str, float]] = []  # the same checkpoints' metrics (Ray's best_checkpoints)
+
+
+class Run:
+    """One attempt at a run: where it stands, whose it is, and what it trained so far."""
+
+    def __init__(self, config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None, generation: int,
+                 lease: Lease | None, warnings: list[str]):  # fmt: skip
+        self.config, self.store, self.start, self.generation = config, store, start, generation
+        self.lease, self.warnings = lease, warnings
+        self.own_loop = uses_own_loop(config)
+        progress = Progress.from_dict(start.progress) if start else Progress()
+        # A unit run's counters continue at this launch's batch size; a loop of its own keeps its own counters.
+        self.progress = rescaled(progress, config.global_batch_size) if start and not self.own_loop else progress
+        self.units: list[UnitResult] = []
+        self._guard = RepeatGuard(self.progress)
+
+    # -- opening ------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, config: TrainConfig, *, attempt: int = 1, owner: str = "", untrusted: bool = False) -> Run:
+        """Every check that can fail runs before anything is written; then the run is claimed for this attempt
+        (a live previous attempt is asked to hand over first), rolled back if ``resume_from`` asks, and its start
+        resolved. ``untrusted``: the config came from a flow-run parameter (its locations are checked)."""
+        if untrusted:
+            check_locations(config)
+        preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
+        store = open_store(config)
+        start = store.latest()
+        if start is not None:
+            check_same_run(config, start)
+            if not config.autoresume and attempt <= 1:
+                raise ConfigError(
+                    f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; "
+                    f"set autoresume=True to continue it, or choose a new run_name"
+                )
+        elif config.load_path and not uses_own_loop(config):
+            check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
+        rollback_to = pending_roll_back(config, store)  # a bad resume_from fails here, before anything is written
+        raise_if_requested(start.name if start else None)  # stopped during start-up: nothing claimed, nothing lost
+        label = f"{owner or 'local'} (attempt {attempt})"
+        handover = config.preemption_grace_seconds + 2 * LEASE_STALE
+        generation = store.claim_generation(label=label, owner=owner, handover_seconds=handover)
+        lease = Lease(store.fence, generation, on_stop=_handover_requested).start()
+        try:
+            if rollback_to:
+                roll_back(store, rollback_to, generation)
+            start = resolve_start(config, store)
+            run = cls(config, store, start, generation, lease, [])
+        except BaseException:
+            lease.release()
+            raise
+        run.warnings = [w for w in (load_path_warning(run), overshoot_warning(run)) if w]
+        for warning in run.warnings:
+            logger.warning(warning)
+        logger.info("run %s in %s%s: %s; %s", config.run_name, store.uri, " (train_loop)" if run.own_loop else "",
+                    run.started_from, "nothing left" if run.complete else f"training to {config.max_duration}")  # fmt: skip
+        return run
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Releases the run for the next attempt (at once, rather than when the lease goes stale)."""
+        from training.gang import close_gangs
+
+        close_gangs()  # the rank processes of this attempt, if any
+        if self.lease is not None:
+            self.lease.release()
+
+    # -- where it stands ------------------------------------------------------------------------------
+    @property
+    def started_from(self) -> str:
+        return f"checkpoint {self.start.name}" if self.start else "no checkpoint"
+
+    @property
+    def complete(self) -> bool:
+        if self.own_loop and self.units:
+            return self.units[-1].complete
+        return is_complete(self.progress, self.config.duration)
+
+    @property
+    def next_unit(self) -> int:
+        return 0 if self.own_loop else unit_index(self.progress, self.config.interval)
+
+    @property
+    def head(self) -> str | None:
+        """The checkpoint the run stands at: the last unit's, or the one it started from."""
+        return self.units[-1].checkpoint_name if self.units else (self.start.name if self.start else None)
+
+    def record(self, result: UnitResult) -> None:
+        """Takes a unit's result (or a loop's final one) into the run; stops a run whose commits are lost."""
+        if not self.own_loop:
+            self._guard.check(result)
+        self.units.append(result)
+        self.progress = Progress.from_dict(result.progress)
+
+    # -- the end --------------------------------------------------------------------------------------
+    def final_metrics(self) -> dict[str, float] | None:
+        """The metrics the run ends with when no evaluation is needed: the last unit's own evaluation when it ran
+        at the final step, or a loop of its own's last report; None when the final checkpoint needs evaluating."""
+        if self.own_loop:
+            info = self.store.info(self.head) if self.head else None
+            return info.metrics if info else {}  # as reported, from the manifest: a rerun returns the same
+        if not self.units:
+            return None
+        last = self.units[-1].metrics
+        if last.get("eval_step") != float(self.progress.step):
+            return None
+        return {k: v for k, v in last.items() if k.startswith("eval_") and k != "eval_step"}
+
+    def finish(self, metrics: dict[str, float]) -> TrainResult:
+        """The end of a complete run: the log line, the export, the best checkpoints and the result."""
+        config, store, p = self.config, self.store, self.progress
+        if self.units:
+            name, uri = self.units[-1].checkpoint_name, self.units[-1].checkpoint
+        else:
+            assert self.start is not None, "a complete run without units started from a checkpoint"
+            name, uri = self.start.name, self.start.uri
+        logger.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
+                    config.run_name, p.epoch, p.step, p.samples_seen, len(self.units), uri,
+                    ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics")  # fmt: skip
+        if config.export_on_complete:
+            logger.info(export_checkpoint(uri, config.export_on_complete, storage_options=config.storage_options))
+        best = store.best(config.checkpoint_score_attribute, config.checkpoint_score_order) \
+            if config.checkpoint_score_attribute else []  # fmt: skip
+        return TrainResult(
+            run_name=config.run_name,
+            checkpoint=uri,
+            checkpoint_name=name,
+            epoch=p.epoch,
+            step=p.step,
+            samples_seen=p.samples_seen,
+            sample_in_epoch=p.sample_in_epoch,
+            metrics=metrics,
+            units=self.units,
+            started_from=self.started_from,
+            store=store.uri,
+            warnings=self.warnings,
+            best_checkpoints=[i.uri for i in best],
+            best_checkpoint_names=[i.name for i in best],
+            best_checkpoint_metrics=[i.metrics for i in best],
+        )
+
+
+def _handover_requested(request: dict[str, Any]) -> None:
+    who = request.get("by") or "another attempt"
+    STOP.request("handover", f"run taken over by {who}", request)
+
+
+def resolve_start(config: TrainConfig, store: CheckpointStore) -> CheckpointInfo | None:
+    """The checkpoint the run stands at. When it says the run is complete, it is what the run returns, and
+    no unit will load (and hash) it: verify every byte now, and fall back to retrain what is lost."""
+    start = store.latest()
+    if start is None or not is_complete(Progress.from_dict(start.progress), config.duration):
+        return start
+    verified = store.latest(deep=True)
+    if verified is None or verified.name != start.name:
+        logger.warning("the final checkpoint %s failed verification; resuming from %s and retraining from there",
+                       start.name, verified.name if verified else "the start")  # fmt: skip
+    return verified
+
+
+class RepeatGuard:
+    """Stops a run whose units keep ending where an earlier unit already ended (its commits are being
+    lost, e.g. a checkpoint that never verifies): it would otherwise retrain the same data forever."""
+
+    def __init__(self, start: Progress):
+        self.furthest, self.repeats = start.samples_seen, 0
+
+    def check(self, result: UnitResult) -> None:
+        if result.steps == 0 and not result.complete:
+            raise RuntimeError(f"unit {result.unit} trained no step; stopping rather than looping")
+        ended = result.progress.get("samples_seen", 0)
+        if ended > self.furthest:
+            self.furthest = ended
+            return
+        self.repeats += 1
+        if self.repeats > MAX_REPEATS:
+            raise RuntimeError(
+                f"unit {result.unit} ended at {ended} samples, where earlier units of this run already got "
+                f"({self.repeats} times): its checkpoints are not being kept (last: {result.checkpoint}). Stopping "
+                f"instead of retraining the same data; check the store: python -m checkpointing verify "
+                f"{'/'.join(split_run_uri(result.checkpoint)[:2])}"
+            )
+
+
+def load_path_warning(run: Run) -> str:
+    """load_path only starts a run: once the run has checkpoints it resumes from them, and is told so."""
+    config, start = run.config, run.start
+    if start is None or not config.load_path:
+        return ""
+    return (
+        f"load_path={config.load_path!r} is ignored: run {config.run_name!r} already has checkpoints and resumes "
+        f"from its checkpoint {start.name}. To start from load_path, choose a new run_name; to go back to an "
+        f"earlier checkpoint of this run, set resume_from=<checkpoint name> (python -m checkpointing ls {run.store.uri})"
+    )
+
+
+def overshoot_warning(run: Run) -> str:
+    """A launch asking for less than the run already trained gets the run's newest checkpoint, and is told so."""
+    config, start, p = run.config, run.start, run.progress
+    if start is None or not is_past(p, config.duration):
+        return ""
+    match = next((i for i in reversed(run.store.list()) if at(i.progress, config.duration)), None)
+    there = (
+        f"the checkpoint at {config.max_duration} is {match.name}; to go back to it: resume_from={match.name}"
+        if match
+        else f"no checkpoint sits exactly at {config.max_duration} (retention may have removed it)"
+    )
+    return (
+        f"run {config.run_name!r} already trained past max_duration={config.max_duration} (its newest checkpoint "
+        f"{start.name} is at epoch {p.epoch}, step {p.step}, {p.samples_seen} samples); returning it unchanged. "
+        f"{there[0].upper()}{there[1:]}"
+    )
+
+
+def execute_unit(config: TrainConfig, *, unit: int, start_checkpoint: str | None = None, attempt: int = 1,
+                 generation: int = 0, on_report: Callable[[UnitResult], None] | None = None) -> UnitResult:  # fmt: skip
+    """Trains unit ``unit`` (or, for a recipe with its own ``train_loop``, the loop) wherever it runs: in this
+    process, or on this attempt's gang of rank processes. ``on_report`` sees every committed checkpoint."""
+    distributed = config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp"
+    own = uses_own_loop(config)
+    if distributed:
+        from training.gang import run_on_gang
+
+        command = {"op": "loop" if own else "unit", "unit": unit, "start_checkpoint": start_checkpoint,
+                   "attempt": attempt}  # fmt: skip
+        result = run_on_gang(config, command, generation, on_report if own else None)
+    elif own:
+        from training.custom_loop import run_custom_loop
+
+        return run_custom_loop(config, attempt=attempt, generation=generation, on_report=on_report)
+    else:
+        result = run_unit(config, start_checkpoint=start_checkpoint, attempt=attempt, generation=generation)
+    if on_report is not None and not own:
+        on_report(result)
+    return result
