@@ -108,7 +108,7 @@ def upsert(automation: Automation) -> Automation:
     """Creates the automation, or updates the one with the same name (and removes any duplicates)."""
     existing = _by_name(automation.name)
     if not existing:
-        return automation.create()
+        return automation.create()  # type: ignore[return-value]  # the sync form (Prefect's sync_compatible)
     automation.id = existing[0].id
     automation.update()
     for duplicate in existing[1:]:

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("up", "worker"):
             procs.append(start_worker(stack))
         print(f"Use it from another shell:  export PREFECT_HOME={stack.home} PREFECT_API_URL={stack.api_url}")
-        print("Ctrl-C stops " + " and ".join(p.args[3] for p in procs))
+        print("Ctrl-C stops " + " and ".join(str(p.args[3]) for p in procs))  # type: ignore[index]
         while all(p.poll() is None for p in procs):
             time.sleep(1)
         return max(p.returncode or 0 for p in procs)

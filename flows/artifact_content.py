@@ -19,7 +19,8 @@ import math
 import re
 from typing import Any
 
-LOSS = "loss"
+LOSS = "train_loss"
+OLD_LOSS = "loss"  # the training loss's name in checkpoints written before 0.2
 EVAL_PREFIX = "eval_"  # per-unit evaluation metrics in UnitResult.metrics, rendered whatever their names
 MAX_POINTS = 400  # per curve: a long run's SVG stays a few tens of KB
 SPARK = "▁▂▃▄▅▆▇█"
@@ -29,8 +30,8 @@ _ESCAPED = re.compile(r"\\([!-/:-@\[-`{-~])")
 _PLAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the checkpoint store's own name rule
 _COLUMN = re.compile(r"[^A-Za-z0-9_.-]")
 
-# The per-unit table, in column order; eval metrics go between "loss" and "samples/s".
-BEFORE_EVAL = ["unit", "epoch", "step", "samples", "loss"]
+# The per-unit table, in column order; eval metrics go between "train_loss" and "samples/s".
+BEFORE_EVAL = ["unit", "epoch", "step", "samples", "train_loss"]
 AFTER_EVAL = ["samples/s", "checkpoint s", "attempt", "resumed from", "checkpoint"]
 
 
@@ -111,7 +112,7 @@ def _row(unit: int | None, checkpoint: str, progress: dict[str, Any], metrics: d
         "epoch": progress.get("epoch"),
         "step": progress.get("step"),
         "samples": progress.get("samples_seen"),
-        "loss": _number(metrics.get(LOSS)),
+        "train_loss": _number(metrics.get(LOSS, metrics.get(OLD_LOSS))),
         "eval": eval_metrics(metrics),
         "samples_per_second": _number(metrics.get("samples_per_second")),
     }
@@ -131,7 +132,7 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "epoch": row.get("epoch"),
             "step": row.get("step"),
             "samples": row.get("samples"),
-            "loss": _round(row.get("loss"), 4),
+            "train_loss": _round(row.get("train_loss"), 4),
         }
         line.update({n: _round(row.get("eval", {}).get(n), 4) for n in names})
         line["samples/s"] = _round(row.get("samples_per_second"), 1)
@@ -152,7 +153,7 @@ def row_from_table(line: dict[str, Any]) -> dict[str, Any]:
         "epoch": line.get("epoch"),
         "step": line.get("step"),
         "samples": line.get("samples"),
-        "loss": _number(line.get("loss")),
+        "train_loss": _number(line.get("train_loss", line.get(OLD_LOSS))),
         "eval": {k: v for k, v in line.items() if k not in fixed and _number(v) is not None},
         "samples_per_second": _number(line.get("samples/s")),
         "checkpoint_seconds": _number(line.get("checkpoint s")),
@@ -167,8 +168,8 @@ def curves(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {LOSS: []}
     for row in rows:
         step = row.get("step") or 0
-        if row.get("loss") is not None:
-            series[LOSS].append((step, row["loss"]))
+        if row.get("train_loss") is not None:
+            series[LOSS].append((step, row["train_loss"]))
         for name, value in sorted(row.get("eval", {}).items()):
             series.setdefault(name, []).append((step, value))
     return {name: points for name, points in series.items() if points}

@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import time
+from typing import Any
 from uuid import UUID
 
 import httpx
@@ -38,6 +39,9 @@ from flows.restarts import flow_run_attempt
 from flows.run_summary import summary_markdown
 from training.config import TrainConfig
 from training.loop import UnitResult
+from training.preemption import Preempted
+
+logger = logging.getLogger(__name__)
 
 LOSS_CURVE = "loss.svg"
 PAUSE_SECONDS = 60  # after a failed publish
@@ -75,7 +79,8 @@ class Card:
                 if exc.response.status_code != 404:
                     raise
                 self.id = None  # deleted meanwhile (in the UI, say): a new card is better than none
-        self.id = _CREATE[self.kind](data, key=self.key, description=description)
+        create: Any = _CREATE[self.kind]
+        self.id = create(data, key=self.key, description=description)
 
 
 def existing_artifacts(keys: list[str]) -> dict[str, list]:
@@ -91,7 +96,8 @@ def existing_artifacts(keys: list[str]) -> dict[str, list]:
             sort=ArtifactSort.CREATED_DESC,
         )
         for artifact in artifacts:
-            found.setdefault(artifact.key, []).append(artifact)
+            if artifact.key is not None:
+                found.setdefault(artifact.key, []).append(artifact)
         for versions in found.values():  # two attempts racing each created one: keep the newest card only
             for stale in versions[1:]:
                 client.delete_artifact(stale.id)
@@ -101,14 +107,8 @@ def existing_artifacts(keys: list[str]) -> dict[str, list]:
 class RunReport:
     """The artifacts of one flow run of ``train``: call ``unit_done`` after each unit, ``finish`` at the end."""
 
-    def __init__(
-        self,
-        config: TrainConfig,
-        store: CheckpointStore,
-        start: CheckpointInfo | None,
-        log: logging.Logger | logging.LoggerAdapter,
-    ):
-        self.config, self.store, self.log = config, store, log
+    def __init__(self, config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None):
+        self.config, self.store = config, store
         self.paused_until = 0.0
         self.attempt = flow_run_attempt()
         self.started_at = time.monotonic()
@@ -133,8 +133,8 @@ class RunReport:
         self.progress = dict(unit.progress or {})
         self.num_train_samples = getattr(unit, "num_train_samples", None) or self.num_train_samples
         self.rows[unit.checkpoint_name] = content.unit_row(unit, self.attempt)
-        loss = (unit.metrics or {}).get("loss")
-        note = f"unit {unit.unit} done" + (f": loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+        loss = (unit.metrics or {}).get(content.LOSS)
+        note = f"unit {unit.unit} done" + (f": train_loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
         self._publish_progress(note=note)
         self._publish_units()
 
@@ -155,6 +155,16 @@ class RunReport:
             f"Summary of {md_escape(self.config.run_name)}",
         )
 
+    def stopped(self, stop: Preempted) -> None:
+        """Says in the UI why this attempt ended early and what the restart resumes from."""
+        text = stop.describe() + ("; the restart will resume from it" if stop.checkpoint else "")
+        self._publish("progress", self._percent(), f"stopped · {text}")
+        self._publish(
+            "summary",
+            f"### {md_escape(self.config.run_name)}: stopped\n\n{md_escape(text)}\n",
+            f"Summary of {md_escape(self.config.run_name)}",
+        )
+
     # -- pieces ------------------------------------------------------------------------------------
     def _load_history_from_store(self) -> None:
         """Units committed before this attempt, by this or an earlier flow run: their manifests' metrics. What a
@@ -172,19 +182,24 @@ class RunReport:
                 row = content.row_from_table(line)
                 self.rows[row["checkpoint"]] = row
 
-    def _publish_progress(self, note: str) -> None:
+    def _percent(self) -> float:
         done = self.progress.get("samples_seen", 0)
-        total = content.total_samples(
+        total = self._total()
+        if total:
+            return round(min(100.0, 100.0 * done / total), 2)
+        return percent_done(self.config, self.progress, self.num_train_samples)
+
+    def _total(self) -> int | None:
+        return content.total_samples(
             self.config.duration, self.progress, self.num_train_samples, self.config.global_batch_size
         )
+
+    def _publish_progress(self, note: str) -> None:
+        done = self.progress.get("samples_seen", 0)
         elapsed = time.monotonic() - self.started_at
         rate = (done - self.start_samples) / elapsed if done > self.start_samples and elapsed > 0 else None
-        if total:
-            percent = round(min(100.0, 100.0 * done / total), 2)
-        else:
-            percent = percent_done(self.config, self.progress, self.num_train_samples)
-        text = f"{note} · {content.progress_text(done, total, rate, self.attempt)}"
-        self._publish("progress", percent, text)
+        text = f"{note} · {content.progress_text(done, self._total(), rate, self.attempt)}"
+        self._publish("progress", self._percent(), text)
 
     def _publish_units(self) -> None:
         rows = content.sorted_rows(self.rows)
@@ -261,7 +276,7 @@ class RunReport:
             self.cards[what].publish(data, description)
         except Exception as exc:
             self.paused_until = time.monotonic() + PAUSE_SECONDS
-            self.log.warning(
+            logger.warning(
                 "could not publish the %s artifact of %s: %s: %s; publishing none for %d s",
                 what,
                 self.config.run_name,
@@ -274,7 +289,7 @@ class RunReport:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            self.log.warning(
+            logger.warning(
                 "run report of %s: %s failed (%s: %s); training goes on",
                 self.config.run_name,
                 what,
@@ -296,6 +311,7 @@ def unit_of(progress: dict[str, int], config: TrainConfig) -> int:
 def percent_done(config: TrainConfig, progress: dict[str, int], num_train_samples: int | None) -> float:
     """How far training is toward ``max_duration``, in percent."""
     duration = config.duration
+    done: float
     if duration.unit == "ba":
         done = progress.get("step", 0)
     elif duration.unit == "ep":

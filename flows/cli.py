@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -20,7 +21,9 @@ from pydantic_settings import CliSettingsSource, SettingsConfigDict, SettingsErr
 
 from checkpointing import CheckpointError, StorageError
 from flows.server import prefect_api
+from training import preemption
 from training.config import ConfigError, TrainConfig, describe_error, load_config
+from training.preemption import EXIT_CODE, Preempted
 from training.preflight import preflight
 from training.recipe import allow_recipe
 from training.rollback import pending_roll_back
@@ -45,7 +48,7 @@ def run(
         preflight(config)  # a bad recipe or recipe_args fails before a Prefect server is even started
         check_before_start(config)  # ... and so does a load_path that does not fit the model
         if config.resume_from:  # ... and a resume_from that names no checkpoint of the run (reads only)
-            pending_roll_back(config, open_store(config), logging.getLogger(__name__))
+            pending_roll_back(config, open_store(config))
     except ValidationError as exc:
         lines = describe_error(exc)
         return _fail(lines if "\n" not in lines else f"invalid configuration:\n{lines}", 2)
@@ -56,10 +59,15 @@ def run(
     except (CheckpointError, StorageError) as exc:
         return _fail(f"run {config.run_name!r}: {exc}", 1)
     try:
-        with prefect_api():
-            if not verbose:
-                quiet_console_tracebacks()
-            result = flow(config, **own)
+        with preemption.handling(config.preemption_signals):  # a SIGTERM while Prefect starts: leave, saying so
+            preemption.raise_if_requested()
+            with prefect_api():
+                preemption.raise_if_requested()
+                if not verbose:
+                    quiet_console_tracebacks()
+                result = flow(config, **own)
+    except Preempted as exc:
+        return _fail(f"run {config.run_name!r} {exc.describe()}; run the same command again to resume", EXIT_CODE)
     except ConfigError as exc:
         return _fail(str(exc), 2)
     except (CheckpointError, StorageError) as exc:
@@ -69,6 +77,14 @@ def run(
         return _fail(f"run {config.run_name!r} did not complete: {type(exc).__name__}: {exc}{hint}", 1)
     print(done(result))
     return 0
+
+
+def python() -> str:
+    """The interpreter that runs this command, as a person would type it (``.venv/bin/python``, or its full path):
+    a suggested follow-up command must work without activating anything."""
+    exe = sys.executable
+    rel = os.path.relpath(exe) if os.path.isabs(exe) else exe
+    return rel if not rel.startswith("..") else exe
 
 
 def flow_options(options: type[BaseModel] | None, argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -90,20 +106,22 @@ def flow_options(options: type[BaseModel] | None, argv: list[str]) -> tuple[dict
         else:
             rest.append(argv[i])
             i += 1
-    values = CliSettingsSource(options, cli_parse_args=own, cli_exit_on_error=False)()
+    values = CliSettingsSource(options, cli_parse_args=own, cli_exit_on_error=False)()  # type: ignore[arg-type]
     return options.model_validate(values).model_dump(), rest
 
 
 def _print_help(options: type[BaseModel]) -> None:
     """The help of TrainConfig's flags and the flow's own, under the flow's command; argparse then exits 0."""
 
-    class FlowFlags(TrainConfig, options):
-        model_config = SettingsConfigDict(
-            **{**TrainConfig.model_config, "cli_prog_name": options.model_config.get("cli_prog_name")}
-        )
+    prog = str(options.model_config.get("cli_prog_name") or "")
+    flags: Any = type(
+        "FlowFlags",
+        (TrainConfig, options),
+        {"model_config": SettingsConfigDict(**{**TrainConfig.model_config, "cli_prog_name": prog})},
+    )
 
-    FlowFlags.__doc__ = inspect.cleandoc(options.__doc__ or "")
-    CliSettingsSource(FlowFlags, cli_parse_args=["--help"])
+    flags.__doc__ = inspect.cleandoc(options.__doc__ or "")
+    CliSettingsSource(flags, cli_parse_args=["--help"])
 
 
 def _settings_error(exc: SettingsError, argv: list[str]) -> str:

@@ -11,6 +11,7 @@ a tick warm-starts from it and rewrites it only when the new model is at least a
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -18,7 +19,6 @@ from datetime import UTC
 from typing import Any
 
 from prefect import flow
-from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
@@ -29,6 +29,8 @@ from flows import cli
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 from training.session import store_retry
+
+logger = logging.getLogger(__name__)
 
 
 class RetrainOptions(BaseModel):
@@ -80,7 +82,6 @@ def retrain(
     run_prefix: str = DEFAULTS.run_prefix,
 ) -> RetrainResult:
     """Train one tick's model from the release's weights; promote it if ``metric`` is not worse."""
-    log = get_run_logger()
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
     run_name = tick_run_name(run_prefix)
@@ -88,7 +89,7 @@ def retrain(
     updates: dict[str, Any] = {"run_name": run_name}
     if release is not None:
         updates.update(load_path=release.checkpoint, load_weights_only=True)
-        log.info(
+        logger.info(
             "tick %s warm-starts from the release %s (%s %s=%.4f)",
             run_name,
             release.checkpoint,
@@ -97,21 +98,30 @@ def retrain(
             release.value,
         )
     else:
-        log.info("tick %s: no release in %s yet; training from scratch", run_name, config.save_folder)
+        logger.info("tick %s: no release in %s yet; training from scratch", run_name, config.save_folder)
     result = train(config.model_copy(update=updates))
-    return decide(config, result, release, metric, higher_is_better, log)
+    return decide(config, result, release, metric, higher_is_better)
+
+
+def metric_value(metrics: dict[str, float], metric: str) -> float | None:
+    """``metric`` of an evaluation, by its name with or without ``eval_`` (releases before 0.2 have it without)."""
+    bare = metric.removeprefix("eval_")
+    for name in (metric, f"eval_{bare}", bare):
+        if name in metrics:
+            return metrics[name]
+    return None
 
 
 def decide(
-    config: TrainConfig, result: TrainResult, release: Release | None, metric: str, higher_is_better: bool, log
+    config: TrainConfig, result: TrainResult, release: Release | None, metric: str, higher_is_better: bool
 ) -> RetrainResult:
     """Promotes ``result`` (rewrites release.json) unless it is worse than the release on ``metric``."""
-    if metric not in result.metrics:
+    new = metric_value(result.metrics, metric)
+    if new is None:
         raise ConfigError(
             f"metric={metric!r}: the recipe's evaluation reports {sorted(result.metrics)}; choose one of those"
         )
-    new = result.metrics[metric]
-    old = release.metrics.get(metric) if release is not None else None
+    old = metric_value(release.metrics, metric) if release is not None else None
     direction = "higher" if higher_is_better else "lower"
     promoted = math.isfinite(new) and (old is None or is_not_worse(new, old, higher_is_better))
     if promoted:
@@ -131,12 +141,12 @@ def decide(
             if old is not None
             else " (first release)"
         )
-        log.info(reason)
+        logger.info(reason)
     else:
         kept = f"kept the release {release.run_name}" if release is not None else "released nothing"
         worse = f"worse than {old:.4f} ({direction} is better)" if math.isfinite(new) else "not a finite number"
         reason = f"retrain decision: {kept}: {result.run_name}'s {metric} {new:.4f} is {worse}"
-        log.warning(reason)
+        logger.warning(reason)
     return RetrainResult(
         run_name=result.run_name,
         promoted=promoted,

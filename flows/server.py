@@ -22,7 +22,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-from training.distributed import die_with_parent
+from training.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -178,7 +179,8 @@ class GPTRecipe:
         self.lr, self.min_lr, self.warmup_steps, self.lr_decay_steps = lr, min_lr, warmup_steps, lr_decay_steps
         self.decay_lr, self.weight_decay, self.betas = decay_lr, weight_decay, (beta1, beta2)
         self.stride, self.val_fraction, self.compile = stride, val_fraction, compile
-        self._compiled: tuple[nn.Module, nn.Module] | None = None
+        self._compiled: tuple[nn.Module, Any] | None = None
+        self.ctx: Any = None  # the run context, set by the product (training.context.RunContext)
         text, self.vocab, self.corpus_sha256 = read_corpus()
         self._stoi = {ch: i for i, ch in enumerate(self.vocab)}
         tokens = self.encode(text)
@@ -234,6 +236,7 @@ class GPTRecipe:
         if not self.decay_lr:
             return None
         decay_steps = self.lr_decay_steps if self.lr_decay_steps is not None else self.ctx.total_steps - 1
+        assert self.ctx is not None, "load_recipe sets ctx before build_scheduler"
         lr_at = warmup_cosine(self.lr, self.min_lr, self.warmup_steps, decay_steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_at(it) / self.lr)
 
@@ -245,7 +248,8 @@ class GPTRecipe:
             return model
         if self._compiled is None or self._compiled[0] is not model:
             self._compiled = (model, torch.compile(model))
-        return self._compiled[1]
+        compiled: Any = self._compiled[1]  # torch.compile's wrapper: called like the module
+        return compiled
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         x, y = batch

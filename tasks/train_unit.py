@@ -1,11 +1,14 @@
-"""The unit task: resolve the latest good checkpoint, train one unit, commit, report.
+"""The unit task: resolve the latest good checkpoint, train one unit (or a recipe's own loop), commit, report.
 
-Because every attempt starts by resolving the run's latest checkpoint, a Prefect retry is an
-autoresume. Configuration mistakes, unsafe checkpoints and fenced (stale) writers are not retried.
+Because every attempt starts by resolving the run's latest checkpoint, a Prefect retry is an autoresume.
+Configuration mistakes, unsafe checkpoints and fenced (stale) writers are not retried; neither is a preemption
+(``Preempted``, a BaseException: the flow decides what happens next).
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from typing import Any
 
 from prefect import task
@@ -16,12 +19,14 @@ from prefect.tasks import exponential_backoff
 
 from checkpointing import FencedError, NotACheckpointError, PermanentStorageError, UnsafeCheckpointError
 from training.config import ConfigError, TrainConfig
-from training.distributed import launch_unit
 from training.evaluation import evaluate_checkpoint
-from training.loop import UnitResult, run_unit
+from training.loop import UnitResult
+from training.run import execute_unit
 
 # Mistakes and permanent conditions: a retry would fail the same way, after a backoff and a wall of tracebacks.
 _NOT_RETRIED = (ConfigError, UnsafeCheckpointError, FencedError, NotACheckpointError, PermanentStorageError)
+JITTER = 0.5  # each retry waits its exponential delay times a random factor in [1, 1 + JITTER]
+_JITTER = random.SystemRandom()  # never the training thread's generator (training/rng.py)
 
 
 def retry_unless_permanent(task, task_run, state) -> bool:
@@ -30,23 +35,25 @@ def retry_unless_permanent(task, task_run, state) -> bool:
     return not isinstance(exc, _NOT_RETRIED)
 
 
+# The run name ends in "-unit-<n>": the run summary counts these tasks' retries (a loop of its own is unit 0).
 @task(
     name="train_unit",
     task_run_name="{config.run_name}-unit-{unit}",
     cache_policy=NO_CACHE,
     retry_condition_fn=retry_unless_permanent,
-    retry_jitter_factor=0.5,
 )
-def train_unit(config: TrainConfig, unit: int, start_checkpoint: str | None = None, generation: int = 0) -> UnitResult:
-    """Train unit ``unit`` of the run, resuming from its newest good checkpoint."""
-    log = get_run_logger()
+def train_unit(
+    config: TrainConfig,
+    unit: int,
+    start_checkpoint: str | None = None,
+    generation: int = 0,
+    on_report: Callable[[UnitResult], None] | None = None,
+) -> UnitResult:
+    """Train unit ``unit`` of the run (or the recipe's own loop), resuming from its newest good checkpoint.
+    ``on_report`` (in-process, e.g. the flow's UI report) sees each committed checkpoint as a UnitResult."""
     try:
-        if config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp":
-            result = launch_unit(config, attempt=task_run.run_count, generation=generation, log=log)
-        else:
-            result = run_unit(
-                config, start_checkpoint=start_checkpoint, attempt=task_run.run_count, generation=generation, log=log
-            )
+        result = execute_unit(config, unit=unit, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
+                              generation=generation, on_report=on_report)  # fmt: skip
     except Exception as exc:
         _failures[task_run.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         raise
@@ -59,10 +66,19 @@ def train_unit(config: TrainConfig, unit: int, start_checkpoint: str | None = No
 _failures: dict[Any, str] = {}
 
 
+def retry_delays(config: TrainConfig) -> list[float] | float:
+    """Exponential backoff with jitter drawn here, from a generator of our own: Prefect's ``retry_jitter_factor``
+    draws from the global ``random`` on the training thread, whose state training seeds and restores, so every
+    run retried after the same wait (and the draw shifted the recipe's stream)."""
+    if not config.unit_retries:
+        return 0
+    delays = exponential_backoff(config.retry_delay_seconds)(config.unit_retries)
+    return [d * (1 + JITTER * _JITTER.random()) for d in delays]
+
+
 def unit_task(config: TrainConfig):
     """``train_unit`` with the config's retry count and exponential backoff (with jitter)."""
-    delays = exponential_backoff(config.retry_delay_seconds)(config.unit_retries) if config.unit_retries else 0
-    return train_unit.with_options(retries=config.unit_retries, retry_delay_seconds=delays)
+    return train_unit.with_options(retries=config.unit_retries, retry_delay_seconds=retry_delays(config))
 
 
 @task(
@@ -74,8 +90,8 @@ def unit_task(config: TrainConfig):
     retry_condition_fn=retry_unless_permanent,
 )
 def evaluate(config: TrainConfig, checkpoint_name: str) -> dict[str, float]:
-    """Evaluate a committed checkpoint on the recipe's eval split."""
-    metrics = evaluate_checkpoint(config, checkpoint_name)
+    """Evaluate a committed checkpoint on the recipe's eval split; metrics named ``eval_<metric>``."""
+    metrics = {f"eval_{k}": v for k, v in evaluate_checkpoint(config, checkpoint_name).items()}
     get_run_logger().info(
         "evaluation of %s: %s",
         checkpoint_name,

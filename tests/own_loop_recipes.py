@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recipes.own_loop import OwnLoopRecipe
+from recipes.custom_loop import OwnLoopRecipe
 from training import LoopContext
 
 

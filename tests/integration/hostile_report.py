@@ -10,7 +10,6 @@ summary cards behind first, as two racing attempts of one flow run could, which 
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from prefect import flow
@@ -61,7 +60,7 @@ def hostile_report(save_folder: str) -> str:
     config = TrainConfig(run_name=RUN_NAME, save_folder=save_folder, max_duration="3ep")
     for attempt in (1, 2):  # as if two attempts of this flow run had raced: the report keeps one card
         create_markdown_artifact(f"attempt {attempt}", key=artifact_key(RUN_NAME, "summary"))
-    report = RunReport(config, CheckpointStore(save_folder, RUN_NAME), None, logging.getLogger(__name__))
+    report = RunReport(config, CheckpointStore(save_folder, RUN_NAME), None)
     done = units()
     for result in done:
         report.unit_done(result)

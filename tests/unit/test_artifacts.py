@@ -27,7 +27,7 @@ def unit(n: int, loss: float, **metrics) -> SimpleNamespace:
         checkpoint_name=f"ep{n + 1}-ba{step}-sa{32 * step}",
         progress={"epoch": n + 1, "step": step, "samples_seen": 32 * step, "sample_in_epoch": 0},
         resumed_from="fresh initialization" if n == 0 else f"checkpoint ep{n}-ba{step - 8}-sa{32 * (step - 8)}",
-        metrics={"loss": loss, "samples_per_second": 1000.0 + n, "checkpoint_seconds": 0.25, **metrics},
+        metrics={"train_loss": loss, "samples_per_second": 1000.0 + n, "checkpoint_seconds": 0.25, **metrics},
         num_train_samples=256,
     )
 
@@ -67,7 +67,7 @@ def test_table_has_fixed_columns_then_every_eval_metric_and_escapes_names():
     columns = list(table[0])
     safe = content.safe_column("eval_" + HOSTILE)
     evals = sorted(["eval_accuracy", safe])
-    assert columns == ["unit", "epoch", "step", "samples", "loss", *evals, *content.AFTER_EVAL]
+    assert columns == ["unit", "epoch", "step", "samples", "train_loss", *evals, *content.AFTER_EVAL]
     assert re.fullmatch(r"[A-Za-z0-9_.-]+", safe)
     assert table[0]["eval_accuracy"] is None and table[1]["eval_accuracy"] == 0.5
     assert table[1]["resumed from"] == content.md_escape(HOSTILE)
@@ -84,12 +84,12 @@ def test_rows_read_back_from_a_published_table_equal_the_originals():
 
     assert back[0]["resumed_from"] == " ".join(HOSTILE.split())
     assert back[0]["eval"] == {"eval_accuracy": 0.25}
-    assert {k: back[0][k] for k in ("unit", "checkpoint", "step", "samples", "loss", "checkpoint_seconds")} == {
+    assert {k: back[0][k] for k in ("unit", "checkpoint", "step", "samples", "train_loss", "checkpoint_seconds")} == {
         "unit": 0,
         "checkpoint": "ep1-ba8-sa256",
         "step": 8,
         "samples": 256,
-        "loss": 1.5,
+        "train_loss": 1.5,
         "checkpoint_seconds": 0.25,
     }
 
@@ -101,10 +101,10 @@ def test_curves_have_one_panel_per_metric_and_one_point_per_unit():
     svg = content.curve_svg(series, title=HOSTILE)
 
     root = ET.fromstring(svg)  # well-formed: the hostile title is escaped
-    assert list(series) == ["loss", "eval_accuracy"]
+    assert list(series) == ["train_loss", "eval_accuracy"]
     lines = root.findall(f"{SVG}polyline")
     assert [len(line.get("points").split()) for line in lines] == [3, 3]
-    assert content.curve_svg({"loss": [(5, 1.0)]}, title="one unit").startswith("<svg")  # one point, no zero division
+    assert content.curve_svg({"train_loss": [(5, 1.0)]}, title="one unit").startswith("<svg")  # one point, no zero division
     image = content.svg_image(svg, "curves")
     assert image.startswith("![curves](data:image/svg+xml;base64,") and image.endswith(")")
 
@@ -169,7 +169,6 @@ def test_an_unreachable_prefect_api_costs_warnings_never_the_run(tmp_path, caplo
     from training.loop import UnitResult
 
     config = TrainConfig(run_name="offline", save_folder=str(tmp_path), max_duration="2ep")
-    log = logging.getLogger("test-report")
     results = [
         UnitResult(
             complete=n == 1,
@@ -183,12 +182,12 @@ def test_an_unreachable_prefect_api_costs_warnings_never_the_run(tmp_path, caplo
         for n in range(2)
     ]
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
-        report = RunReport(config, CheckpointStore(str(tmp_path), "offline"), None, log)
+        report = RunReport(config, CheckpointStore(str(tmp_path), "offline"), None)
         for result in results:
             report.unit_done(result)
         report.finish(results, {"accuracy": 0.5}, started_from="no checkpoint")
 
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "test-report"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "flows.artifacts"]
     assert warnings[0].startswith("could not publish the progress artifact of offline: ConnectError")
     assert warnings[0].endswith("publishing none for 60 s")  # so the next units do not pay for the API again
     assert len(warnings) == 1
@@ -197,7 +196,6 @@ def test_an_unreachable_prefect_api_costs_warnings_never_the_run(tmp_path, caplo
 
 @pytest.mark.filterwarnings("ignore:Artifact creation outside of a flow:FutureWarning")
 def test_the_curves_leave_out_what_a_roll_back_set_aside(tmp_path):
-    import logging
 
     import torch
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
@@ -215,6 +213,6 @@ def test_the_curves_leave_out_what_a_roll_back_set_aside(tmp_path):
     store.roll_back(names[1], Writer.current(2))
     config = TrainConfig(run_name="rolled", save_folder=str(tmp_path), max_duration="4ep", global_batch_size=32)
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
-        report = RunReport(config, store, store.latest(), logging.getLogger("test-report"))
+        report = RunReport(config, store, store.latest())
 
     assert list(report.rows) == names[:2]

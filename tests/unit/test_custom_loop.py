@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.uploader import Committer
+from checkpointing.commit import Committer
 from training import LoopContext, ResumableBatchSampler
 from training.config import ConfigError
+from training.custom_loop import LoopEndedEarlyError, ReportError, run_custom_loop
 from training.identity import check_same_run
-from training.own_loop import LoopEndedEarlyError, ReportError, run_own_loop
 from training.preflight import preflight
 from training.warm import SessionCache
 
-OWN_LOOP = "recipes.own_loop:OwnLoopRecipe"
+OWN_LOOP = "recipes.custom_loop:CustomLoopRecipe"
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_a_report_is_a_committed_checkpoint_that_the_next_attempt_gets_back(loop
     assert again.finish().progress == {"epoch": 0, "step": 4, "samples_seen": 64}
 
 
-def test_retention_keeps_the_best_reports_by_a_reported_metric_and_the_latest(loop_config):
+def test_retention_keeps_the_n_best_reports_by_a_reported_metric_and_the_newest(loop_config):
     config = loop_config(num_checkpoints_to_keep=2, checkpoint_score_attribute="loss", checkpoint_score_order="min",
                          max_duration="5ba")  # fmt: skip
     ctx = open_context(config)
@@ -98,7 +98,7 @@ def test_retention_keeps_the_best_reports_by_a_reported_metric_and_the_latest(lo
         ctx.report({"loss": loss}, state=state_at(i))
 
     names = [i.name for i in CheckpointStore(config.save_folder, config.run_name).list()]
-    assert names == ["ep0-ba2-sa0", "ep0-ba5-sa0"]  # the best (loss 0.1) and the one latest names
+    assert names == ["ep0-ba2-sa0", "ep0-ba4-sa0", "ep0-ba5-sa0"]  # the 2 best (loss 0.1, 0.3) and the newest
 
 
 @pytest.mark.parametrize(
@@ -134,20 +134,36 @@ def test_counters_never_go_back_and_metrics_must_be_numbers(loop_config):
 def test_a_loop_that_returns_before_max_duration_fails_naming_it(make_config):
     config = make_config(recipe="tests.own_loop_recipes:ShortLoopRecipe", recipe_args={}, max_duration="3ba")
     with pytest.raises(LoopEndedEarlyError, match=r"before max_duration=3ba"):
-        run_own_loop(config, cache=SessionCache())
-    done = run_own_loop(make_config(recipe=config.recipe, recipe_args={}, max_duration="2ba"), cache=SessionCache())
+        run_custom_loop(config, cache=SessionCache())
+    done = run_custom_loop(make_config(recipe=config.recipe, recipe_args={}, max_duration="2ba"), cache=SessionCache())
     assert (done.complete, done.checkpoint_name, done.metrics["loss"]) == (True, "ep0-ba2-sa0", 0.5)
 
 
-@pytest.mark.parametrize("option", [{"nproc_per_node": 2}, {"nnodes": 2, "rdzv_endpoint": "h:1"}])
-def test_several_processes_are_refused_at_start_up_naming_the_option(loop_config, option):
-    with pytest.raises(ConfigError, match=f"{next(iter(option))}=2: a recipe with train_loop runs in one process"):
-        preflight(loop_config(**option))
-
-
 def test_fsdp_is_refused_for_a_loop_the_product_does_not_shard(loop_config):
-    with pytest.raises(ConfigError, match="parallelism='fsdp': a recipe with train_loop runs in one process"):
+    with pytest.raises(ConfigError, match="parallelism='fsdp': a recipe with train_loop shards nothing itself"):
         preflight(loop_config(parallelism="fsdp"))
+
+
+def test_a_metrics_only_report_commits_nothing_and_the_loop_must_end_on_a_state(loop_config):
+    config = loop_config(max_duration="2ba")
+    ctx = open_context(config)
+    ctx.report({"loss": 0.5}, state=state_at(1))
+    ctx.report({"loss": 0.4})  # step 2 reaches max_duration, but without a state
+    assert ctx.should_stop
+    assert [i.name for i in CheckpointStore(config.save_folder, config.run_name).list()] == ["ep0-ba1-sa0"]
+    with pytest.raises(LoopEndedEarlyError, match="its newest report with a state"):
+        ctx.finish()
+
+
+def test_a_report_past_max_duration_is_committed_and_warned_about(loop_config, caplog):
+    config = loop_config(max_duration="1ba")
+    ctx = open_context(config)
+    ctx.report({"loss": 0.5}, state=state_at(1))
+    assert ctx.should_stop
+    with caplog.at_level("WARNING"):
+        ctx.report({"loss": 0.4}, state=state_at(2))
+    assert "after max_duration=1ba was reached" in caplog.text
+    assert CheckpointStore(config.save_folder, config.run_name).latest().name == "ep0-ba2-sa0"
 
 
 def test_resumable_batch_sampler_is_public_and_resumes_at_the_saved_sample():

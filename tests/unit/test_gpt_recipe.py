@@ -45,7 +45,7 @@ def test_it_trains_with_accumulation_clipping_and_bf16_and_the_loss_goes_down(gp
         units.append(run_unit(config))
     first, last = units[0].metrics, units[-1].metrics
     assert [u.steps for u in units] == [10, 10, 10]
-    assert last["loss"] < first["loss"] - 0.25  # mean training loss of steps 21-30 vs steps 1-10
+    assert last["train_loss"] < first["train_loss"] - 0.25  # mean training loss of steps 21-30 vs steps 1-10
     assert last["eval_loss"] < first["eval_loss"]  # and on the held-out split
     assert last["eval_bits_per_char"] == pytest.approx(last["eval_loss"] / math.log(2))
     assert "grad_norm" in last  # clipping ran: the product reports the norm before clipping

@@ -1,4 +1,4 @@
-"""Retention: newest N, or best N by a metric, and never what `latest` names."""
+"""Retention: newest N, or the best N by a metric plus the newest, and never what `latest` names."""
 
 from __future__ import annotations
 
@@ -26,12 +26,21 @@ def names(store: CheckpointStore) -> list[str]:
     return [i.name for i in store.list()]
 
 
-def test_keep_best_by_a_metric_keeps_the_lowest_losses_and_latest():
+def test_keep_best_by_a_metric_keeps_the_n_lowest_losses_and_the_newest():
     store = store_with([0.9, 0.1, 0.5, 0.2, 0.7])
     deleted = store.prune(2, score_attribute="loss", score_order="min")
-    # latest (c4, loss 0.7) is always kept; then the best by loss: c1 (0.1). c3 (0.2) would be next.
-    assert names(store) == ["c1", "c4"]
-    assert sorted(deleted) == ["c0", "c2", "c3"]
+    # the 2 best by loss, c1 (0.1) and c3 (0.2), plus the newest (c4, loss 0.7), which a resume needs
+    assert names(store) == ["c1", "c3", "c4"]
+    assert sorted(deleted) == ["c0", "c2"]
+
+
+def test_keeping_one_by_a_score_keeps_the_best_and_the_newest_never_one_for_the_other():
+    store = store_with([0.9, 0.1, 0.5, 0.6])
+    store.prune(1, score_attribute="loss", score_order="min")
+    assert names(store) == ["c1", "c3"]  # Ray's num_to_keep=1 with a score; Lightning's save_top_k=1 plus last
+    store = store_with([0.9, 0.5, 0.1])  # the newest is also the best: one checkpoint is enough
+    store.prune(1, score_attribute="loss", score_order="min")
+    assert names(store) == ["c2"]
 
 
 def test_keep_best_with_max_order_prefers_higher_values():

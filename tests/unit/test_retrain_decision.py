@@ -3,7 +3,6 @@ and its command line."""
 
 from __future__ import annotations
 
-import logging
 import uuid
 
 import pytest
@@ -12,7 +11,6 @@ from flows.retrain import decide, main, release_file
 from flows.train import TrainResult
 from training.config import ConfigError, TrainConfig
 
-log = logging.getLogger("test")
 
 
 @pytest.fixture
@@ -39,7 +37,7 @@ def read_release(config):
 
 
 def promote(config, name, metric="accuracy", higher_is_better=True, **metrics):
-    return decide(config, result(config, name, **metrics), read_release(config), metric, higher_is_better, log)
+    return decide(config, result(config, name, **metrics), read_release(config), metric, higher_is_better)
 
 
 def test_first_tick_is_released_and_the_release_is_readable_back(config):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,10 @@ from training.rollback import pending_roll_back, roll_back
 
 LOSSES = [0.9, 0.5, 0.7, 0.6]  # not monotonic: best-first differs from newest-first
 NAMES = [f"ep{i}-ba{8 * i}-sa{256 * i}" for i in range(1, 5)]
-log = logging.getLogger(__name__)
+
+
+def progress(epoch: int) -> dict[str, int]:
+    return {"epoch": epoch, "step": 8 * epoch, "samples_seen": 256 * epoch}
 
 
 def save(store: CheckpointStore, epoch: int, generation: int, loss: float, name: str | None = None) -> str:
@@ -63,7 +65,7 @@ def test_a_roll_back_sets_later_checkpoints_aside_without_deleting_them(store):
 
 def test_checkpoints_written_after_a_roll_back_are_candidates_again(store):
     store.roll_back(NAMES[1], Writer.current(2))
-    again = save(store, 3, 2, 0.4, name=store.name_for(NAMES[2], 2))
+    again = save(store, 3, 2, 0.4, name=store.name_for(progress(3), 2))
 
     assert again == f"{NAMES[2]}-g2"  # the set-aside ep3 keeps its name
     assert store.latest().name == again
@@ -81,7 +83,7 @@ def test_best_is_best_first_and_leaves_out_what_a_roll_back_set_aside(store):
 def test_resume_from_a_name_the_run_does_not_have_fails_before_anything_is_written(store):
     before = files_under(store.uri)
     with pytest.raises(ConfigError, match=r"^resume_from='ep9-ba72-sa2304': run 'r' in .* has no checkpoint of that"):
-        pending_roll_back(config(store, resume_from="ep9-ba72-sa2304"), store, log)
+        pending_roll_back(config(store, resume_from="ep9-ba72-sa2304"), store)
     assert files_under(store.uri) == before
 
 
@@ -90,7 +92,7 @@ def test_resume_from_a_checkpoint_with_a_truncated_file_fails_before_anything_is
     store.storage.put(key, store.storage.get(key)[:-1])
     before = files_under(store.uri)
     with pytest.raises(ConfigError, match=rf"^resume_from='{NAMES[1]}': that checkpoint does not verify \(.*size"):
-        pending_roll_back(config(store, resume_from=NAMES[1]), store, log)
+        pending_roll_back(config(store, resume_from=NAMES[1]), store)
     assert files_under(store.uri) == before
 
 
@@ -98,7 +100,7 @@ def test_a_checkpoint_a_roll_back_set_aside_cannot_be_rolled_back_to(store):
     store.roll_back(NAMES[1], Writer.current(2))
     before = files_under(store.uri)
     with pytest.raises(ConfigError, match=rf"^resume_from='{NAMES[3]}': an earlier roll-back set that checkpoint"):
-        pending_roll_back(config(store, resume_from=NAMES[3]), store, log)
+        pending_roll_back(config(store, resume_from=NAMES[3]), store)
     with pytest.raises(ValueError, match=rf"^resume_from='{NAMES[3]}': an earlier roll-back set that checkpoint"):
         store.roll_back(NAMES[3], Writer.current(3))
     assert files_under(store.uri) == before
@@ -107,19 +109,19 @@ def test_a_checkpoint_a_roll_back_set_aside_cannot_be_rolled_back_to(store):
 
 def test_resume_from_applies_once_and_again_after_a_roll_back_elsewhere(store):
     wanted = config(store, resume_from=NAMES[1])
-    assert pending_roll_back(wanted, store, log) == NAMES[1]
-    roll_back(store, NAMES[1], store.claim_generation(), log)
-    save(store, 3, 2, 0.4, name=store.name_for(NAMES[2], 2))
+    assert pending_roll_back(wanted, store) == NAMES[1]
+    roll_back(store, NAMES[1], store.claim_generation())
+    save(store, 3, 2, 0.4, name=store.name_for(progress(3), 2))
 
     # a relaunch (or a crash-restarted flow run) with the same resume_from keeps what was trained since
-    assert pending_roll_back(wanted, store, log) is None
+    assert pending_roll_back(wanted, store) is None
     assert store.latest().name == f"{NAMES[2]}-g2"
     # a roll-back to another checkpoint in between (a later one: an earlier one sets this one aside) makes the
     # same resume_from apply again
-    save(store, 4, 2, 0.3, name=store.name_for(NAMES[3], 2))
-    roll_back(store, f"{NAMES[2]}-g2", store.claim_generation(), log)
-    assert pending_roll_back(wanted, store, log) == NAMES[1]
-    roll_back(store, NAMES[1], store.claim_generation(), log)
+    save(store, 4, 2, 0.3, name=store.name_for(progress(4), 2))
+    roll_back(store, f"{NAMES[2]}-g2", store.claim_generation())
+    assert pending_roll_back(wanted, store) == NAMES[1]
+    roll_back(store, NAMES[1], store.claim_generation())
     assert store.latest().name == NAMES[1]
 
 

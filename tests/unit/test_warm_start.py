@@ -76,12 +76,10 @@ def test_strict_options_on_a_full_state_folder_are_refused(tmp_path):
 
 def test_non_strict_load_logs_how_many_keys_were_skipped_and_missing(weights_file, caplog):
     path, _ = weights_file
-    log = logging.getLogger("test.warm_start")
-    with caplog.at_level(logging.INFO, logger="test.warm_start"):
+    with caplog.at_level(logging.INFO, logger="training.warm_start"):
         load_weights(
             config(path, recipe_args={"num_classes": 5}, load_strict=False),
             SyntheticRecipe(num_classes=5).build_model(),
-            log,
         )
     assert caplog.messages == [
         "load_path is a weights file: weights only; optimizer, scheduler and progress start fresh",
