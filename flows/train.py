@@ -52,10 +52,11 @@ def train_flow(config: TrainConfig) -> TrainResult:
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
     owner, attempt = flow_run.id or "", flow_run_attempt()
+    label = f"flow run {owner or 'local'} (run {attempt})"
     try:
         with (
             preemption.handling(config.preemption_signals),
-            Run.open(config, attempt=attempt, owner=owner, untrusted=is_deployment_run()) as run,
+            Run.open(config, attempt=attempt, owner=owner, label=label, untrusted=is_deployment_run()) as run,
         ):
             return _train(config, run)
     except Preempted as stop:

@@ -15,6 +15,8 @@ that is still alive; closing releases the lease.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -77,10 +79,12 @@ class Run:
 
     # -- opening ------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, config: TrainConfig, *, attempt: int = 1, owner: str = "", untrusted: bool = False) -> Run:
+    def open(cls, config: TrainConfig, *, attempt: int = 1, owner: str = "", label: str = "",
+             untrusted: bool = False) -> Run:  # fmt: skip
         """Every check that can fail runs before anything is written; then the run is claimed for this attempt
         (a live previous attempt is asked to hand over first), rolled back if ``resume_from`` asks, and its start
-        resolved. ``untrusted``: the config came from a flow-run parameter (its locations are checked)."""
+        resolved. ``owner`` (e.g. a flow run id) and ``label`` say who trains in the run's claims; ``untrusted``: the
+        config came from a flow-run parameter (its locations are checked)."""
         if untrusted:
             check_locations(config)
         preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
@@ -97,7 +101,7 @@ class Run:
             check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
         rollback_to = pending_roll_back(config, store)  # a bad resume_from fails here, before anything is written
         raise_if_requested(start.name if start else None)  # stopped during start-up: nothing claimed, nothing lost
-        label = f"{owner or 'local'} (attempt {attempt})"
+        label = label or f"process {os.getpid()} on {socket.gethostname()} (attempt {attempt})"
         handover = config.preemption_grace_seconds + 2 * LEASE_STALE
         generation = store.claim_generation(label=label, owner=owner, handover_seconds=handover)
         lease = Lease(store.fence, generation, on_stop=_handover_requested).start()

@@ -59,9 +59,8 @@ class Rank:
             self.step += op["steps"]
             return {"losses": losses}
         if kind == "save":
-            info = fsdp.save_sharded(
+            pending = fsdp.save_sharded(  # named by the store from the progress: ep0-ba<step>-sa<16 * step>
                 self.store,
-                op["name"],
                 self.model,
                 self.optimizer,
                 {"step": self.step},
@@ -69,6 +68,8 @@ class Rank:
                 progress={"samples_seen": self.step * GLOBAL_BATCH, "step": self.step},
                 writer=Writer.current(op.get("generation", 1)),
             )
+            info = pending.wait()
+            assert info.name == op["name"], (info.name, op["name"])
             return {"name": info.name, "files": sorted(info.manifest.files)}
         if kind in ("load", "restore_latest"):
             return self.load(op)

@@ -101,5 +101,12 @@ def test_a_run_on_a_temporary_server_ends_with_its_result_not_log_shipping_error
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Error logging to API" not in done.stdout + done.stderr
     last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("run default complete: epoch 1, step 8, 512 samples; loss ")
-    assert last.endswith(f"(list them: python -m checkpointing ls {tmp_path / 'runs' / 'default'})")
+    assert last.startswith("run default complete: epoch 1, step 8, 512 samples; eval_loss ")
+    suggested = last.rsplit("(list them: ", 1)[1].rstrip(")")
+    assert suggested.endswith(f" -m checkpointing ls {tmp_path / 'runs' / 'default'}")
+    # The follow-up works as printed, in the same folder, with no virtual environment activated.
+    plain = {k: v for k, v in cli_env(tmp_path).items() if k != "VIRTUAL_ENV"}
+    plain["PATH"] = "/usr/bin:/bin"
+    listed = subprocess.run(suggested.split(), env=plain, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert "ep1-ba8-sa512" in listed.stdout

@@ -55,6 +55,11 @@ def torchrun(
     return [json.loads(line) for line in result.read_text().splitlines()], proc.stdout + proc.stderr
 
 
+def at(step: int) -> str:
+    """The name the store gives the worker's checkpoint after ``step`` steps of 16 samples."""
+    return f"ep0-ba{step}-sa{16 * step}"
+
+
 def whole(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
@@ -79,7 +84,7 @@ def test_fsdp_checkpoints_reshard_2_to_1_to_2_exactly_and_training_goes_on(tmp_p
         "a",
         [
             {"op": "train", "steps": 3},
-            {"op": "save", "name": "s3"},
+            {"op": "save", "name": at(3)},
             {"op": "dump", "file": str(d["saved3"])},
             {"op": "train", "steps": 3},
             {"op": "dump", "file": str(d["ref6"])},
@@ -91,10 +96,10 @@ def test_fsdp_checkpoints_reshard_2_to_1_to_2_exactly_and_training_goes_on(tmp_p
         tmp_path,
         "b",
         [
-            {"op": "load", "name": "s3"},
+            {"op": "load", "name": at(3)},
             {"op": "dump", "file": str(d["loaded3"])},
             {"op": "train", "steps": 2},
-            {"op": "save", "name": "s5"},
+            {"op": "save", "name": at(5)},
             {"op": "dump", "file": str(d["saved5"])},
         ],
         runs,
@@ -104,12 +109,12 @@ def test_fsdp_checkpoints_reshard_2_to_1_to_2_exactly_and_training_goes_on(tmp_p
         tmp_path,
         "c",
         [
-            {"op": "load", "name": "s5"},
+            {"op": "load", "name": at(5)},
             {"op": "dump", "file": str(d["loaded5"])},
             {"op": "train", "steps": 1},
-            {"op": "save", "name": "s6"},
+            {"op": "save", "name": at(6)},
             {"op": "dump", "file": str(d["saved6"])},
-            {"op": "load", "name": "s3"},
+            {"op": "load", "name": at(3)},
             {"op": "train", "steps": 3},
             {"op": "dump", "file": str(d["resumed6"])},
         ],
@@ -139,9 +144,9 @@ def test_fsdp_checkpoints_reshard_2_to_1_to_2_exactly_and_training_goes_on(tmp_p
 
     store = CheckpointStore(runs, "r")
     info = store.latest()
-    assert info.name == "s6" and info.manifest.metadata["world_size"] == 2
+    assert info.name == at(6) and info.manifest.metadata["world_size"] == 2
     assert set(info.manifest.files) == set(first[1]["ranks"][0]["files"])
-    assert set(info.manifest.files) == set(os.listdir(tmp_path / "runs/r/checkpoints/s6")) - {"manifest.json"}
+    assert set(info.manifest.files) == set(os.listdir(tmp_path / "runs/r/checkpoints" / at(6))) - {"manifest.json"}
     assert cli(["verify", store.uri]) == 0
     out = str(tmp_path / "export.pt")
     assert cli(["export", store.uri, out]) == 0
@@ -159,22 +164,22 @@ def test_a_flipped_byte_in_one_ranks_shard_on_s3_makes_every_rank_fall_back(s3, 
         "save",
         [
             {"op": "train", "steps": 2},
-            {"op": "save", "name": "a"},
+            {"op": "save", "name": at(2)},
             {"op": "dump", "file": str(good)},
             {"op": "train", "steps": 2},
-            {"op": "save", "name": "b"},
+            {"op": "save", "name": at(4)},
         ],
         folder,
         options,
     )
     store = CheckpointStore(folder, "r", storage_options=options)
-    assert store.latest().name == "b" and store.check("b", deep=True) == []
+    assert store.latest().name == at(4) and store.check(at(4), deep=True) == []
     assert cli(["verify", store.uri, "--storage-options", json.dumps(options)]) == 0
 
-    data = bytearray(store.storage.get("checkpoints/b/__1_0.distcp"))
+    data = bytearray(store.storage.get(f"checkpoints/{at(4)}/__1_0.distcp"))
     data[len(data) // 2] ^= 0x10  # one flipped bit, same size
-    store.storage.put("checkpoints/b/__1_0.distcp", bytes(data))
-    assert store.check("b") == [] and store.check("b", deep=True) == ["b/__1_0.distcp: sha256 mismatch"]
+    store.storage.put(f"checkpoints/{at(4)}/__1_0.distcp", bytes(data))
+    assert store.check(at(4)) == [] and store.check(at(4), deep=True) == [f"{at(4)}/__1_0.distcp: sha256 mismatch"]
     assert cli(["verify", store.uri, "--storage-options", json.dumps(options)]) == 1
 
     records, output2 = torchrun(
@@ -182,7 +187,7 @@ def test_a_flipped_byte_in_one_ranks_shard_on_s3_makes_every_rank_fall_back(s3, 
         tmp_path,
         "load",
         [
-            {"op": "load", "name": "b"},
+            {"op": "load", "name": at(4)},
             {"op": "restore_latest"},
             {"op": "dump", "file": str(tmp_path / "restored.pt")},
         ],
@@ -192,8 +197,10 @@ def test_a_flipped_byte_in_one_ranks_shard_on_s3_makes_every_rank_fall_back(s3, 
     direct, fallback = records[0]["ranks"], records[1]["ranks"]
     # Only rank 1 reads __1_0.distcp, yet both ranks raise: neither trains on a half-loaded state.
     assert [r["error"] for r in direct] == ["CorruptCheckpointError"] * 2
-    assert all("b/__1_0.distcp" in r["message"] and "does not match the manifest" in r["message"] for r in direct)
-    assert [(r["name"], r["step"]) for r in fallback] == [("a", 2), ("a", 2)]
-    assert "skipping checkpoint b" in output2
+    assert all(
+        f"{at(4)}/__1_0.distcp" in r["message"] and "does not match the manifest" in r["message"] for r in direct
+    )
+    assert [(r["name"], r["step"]) for r in fallback] == [(at(2), 2), (at(2), 2)]
+    assert f"skipping checkpoint {at(4)}" in output2
     assert_same_state(whole(tmp_path / "restored.pt"), whole(good))
     assert MOTO_SECRET_KEY not in output + output2

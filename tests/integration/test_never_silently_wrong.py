@@ -18,12 +18,13 @@ import torch
 
 from checkpointing import CheckpointStore, CorruptCheckpointError, Writer
 from checkpointing.manifest import Manifest
-from flows.train import MAX_REPEATS, RepeatGuard, train
+from flows.train import train
 from tests.conftest import RECORDING
 from tests.faults import FaultProxy
 from training.config import ConfigError
 from training.loop import UnitResult
 from training.progress import Progress
+from training.run import MAX_REPEATS, RepeatGuard
 from training.sampler import epoch_order
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -181,7 +182,7 @@ def test_a_flow_whose_units_keep_ending_at_the_same_place_stops_instead_of_retra
     guard.check(_result(1, 512))
     for _ in range(MAX_REPEATS):
         guard.check(_result(1, 512))  # the commit vanished: the same unit again
-    with pytest.raises(RuntimeError, match=re.escape("unit 1 ended at 512 samples, where earlier units of this flow")):
+    with pytest.raises(RuntimeError, match=re.escape("unit 1 ended at 512 samples, where earlier units of this run")):
         guard.check(_result(1, 512))
     with pytest.raises(RuntimeError, match="trained no step"):
         RepeatGuard(Progress()).check(_result(0, 0, steps=0))

@@ -58,7 +58,7 @@ def test_a_failure_inside_train_loop_is_retried_from_the_last_report_and_matches
     assert (a.epoch, a.step, a.samples_seen) == (b.epoch, b.step, b.samples_seen) == (3, 24, 768)
     assert [i.name for i in CheckpointStore(flaky.save_folder, "flaky").list()][-1] == "ep3-ba24-sa768"
     assert_same_state(final_state(clean), final_state(flaky))
-    assert a.metrics == b.metrics and "loss" in a.metrics
+    assert a.metrics == b.metrics and "train_loss" in a.metrics
     rows = metrics_table("flaky")  # each report moved the UI's cards, those of the failed attempt included
     assert [(r["step"], r["checkpoint"]) for r in rows] == [(s, n) for s, n in zip(range(4, 25, 4), NAMES, strict=True)]
 

@@ -26,7 +26,7 @@ RECIPE_ARGS = {"num_samples": 256, "hidden": 1536, "num_layers": 3, "report_ever
 def command(folder: Path) -> list[str]:
     return [
         sys.executable, "-m", "flows.train", "--run_name", "k", "--save_folder", str(folder),
-        "--recipe", "recipes.own_loop:OwnLoopRecipe", "--recipe_args", json.dumps(RECIPE_ARGS),
+        "--recipe", "recipes.custom_loop:CustomLoopRecipe", "--recipe_args", json.dumps(RECIPE_ARGS),
         "--max_duration", "16ba", "--global_batch_size", "32", "--seed", "7", "--unit_retries", "0",
     ]  # fmt: skip
 
@@ -67,6 +67,6 @@ def test_sigkill_mid_loop_then_relaunch_resumes_from_the_last_report_bit_identic
 
     # The relaunch resumed from the last report (or from one committed after it, if the kill fell between a
     # manifest and the move of latest), not from the start.
-    resumed = re.search(r"train_loop \(attempt 1\): the run's newest report is ep\d+-ba(\d+)-", log)
+    resumed = re.search(r"train_loop \(attempt 1\) on 1 process\(es\): the run's newest report is ep\d+-ba(\d+)-", log)
     assert resumed and killed_at <= int(resumed.group(1)) <= killed_at + 2, log[-3000:]
     assert_equal_state(final_state(folder), reference)

@@ -88,6 +88,8 @@ def test_best_checkpoints_are_ordered_by_the_score_attribute(make_config):
     by_loss = sorted(lowest.units, key=lambda u: u.metrics["train_loss"])
     assert lowest.best_checkpoint_names == [u.checkpoint_name for u in by_loss]
     assert lowest.best_checkpoints == [u.checkpoint for u in by_loss]
-    highest = train(make_config(checkpoint_score_attribute="train_loss", checkpoint_score_order="max"))  # trains nothing
+    highest = train(
+        make_config(checkpoint_score_attribute="train_loss", checkpoint_score_order="max")
+    )  # trains nothing
     assert highest.units == [] and highest.best_checkpoint_names == lowest.best_checkpoint_names[::-1]
     assert train(make_config()).best_checkpoints == []

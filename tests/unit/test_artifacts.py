@@ -104,7 +104,9 @@ def test_curves_have_one_panel_per_metric_and_one_point_per_unit():
     assert list(series) == ["train_loss", "eval_accuracy"]
     lines = root.findall(f"{SVG}polyline")
     assert [len(line.get("points").split()) for line in lines] == [3, 3]
-    assert content.curve_svg({"train_loss": [(5, 1.0)]}, title="one unit").startswith("<svg")  # one point, no zero division
+    assert content.curve_svg({"train_loss": [(5, 1.0)]}, title="one unit").startswith(
+        "<svg"
+    )  # one point, no zero division
     image = content.svg_image(svg, "curves")
     assert image.startswith("![curves](data:image/svg+xml;base64,") and image.endswith(")")
 

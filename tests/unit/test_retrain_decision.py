@@ -12,7 +12,6 @@ from flows.train import TrainResult
 from training.config import ConfigError, TrainConfig
 
 
-
 @pytest.fixture
 def config() -> TrainConfig:
     return TrainConfig(save_folder=f"memory://retrain-{uuid.uuid4().hex}")
