@@ -21,6 +21,7 @@ from pydantic_settings import CliSettingsSource, SettingsConfigDict, SettingsErr
 from checkpointing import CheckpointError, StorageError
 from flows.server import prefect_api
 from training.config import ConfigError, TrainConfig, describe_error, load_config
+from training.config_text import short
 from training.preflight import preflight
 from training.recipe import allow_recipe
 from training.rollback import pending_roll_back
@@ -115,7 +116,7 @@ def _settings_error(exc: SettingsError, argv: list[str]) -> str:
     given = next(
         (argv[i + 1] for i, a in enumerate(argv[:-1]) if a in (f"--{field}", f"--{field.replace('_', '-')}")), ""
     )
-    return f"{field}={given!r}: use a JSON object, e.g. --{field} '{{\"hidden\": 64}}'"
+    return f"{field}={short(given)}: use a JSON object, e.g. --{field} '{{\"hidden\": 64}}'"
 
 
 def _fail(message: str, code: int) -> int:
