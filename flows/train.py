@@ -244,10 +244,11 @@ def overshoot_warning(config: TrainConfig, store: CheckpointStore, start: Checkp
 
 def refuse_storage_options_from_parameters() -> None:
     """storage_options may hold credentials and endpoints: they come from the worker's environment
-    (TRAIN_STORAGE_OPTIONS) or from Python, never from a flow-run parameter set through the API."""
+    (TRAIN_STORAGE_OPTIONS) or from Python, never from a flow-run parameter set through the API. Spelled in
+    any case too: TrainConfig refuses such keys anyway, this does not rely on it."""
     context = FlowRunContext.get()
     raw = (context.flow_run.parameters or {}).get("config") if context and context.flow_run else None
-    if isinstance(raw, dict) and "storage_options" in raw:
+    if isinstance(raw, dict) and any(str(key).lower().replace("-", "_") == "storage_options" for key in raw):
         raise ConfigError(
             "storage_options cannot be set through a flow-run parameter (the API stores parameters, and they "
             "choose endpoints); set TRAIN_STORAGE_OPTIONS in the environment of the worker instead"

@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from checkpointing.protocols import check_store_url
 from checkpointing.store import validate_name
 from training.config_sources import BoundedCliSource, BoundedEnvSource, check_flag_json, file_source
-from training.config_text import ConfigError, short
+from training.config_text import ConfigError, check_keys, short
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ep|ba|sp)\s*$")
 MAX_COUNT = 10**12  # epochs, batches or samples: far past any real run, far below int64 overflow
@@ -317,6 +317,10 @@ class TrainConfig(BaseSettings):
     )
 
     def __init__(self, /, **values: Any) -> None:
+        """Keyword arguments are field names, exactly: a flow-run parameter arrives here as TrainConfig(**dict)
+        (pydantic validates the ``config`` parameter through this constructor), and pydantic-settings would match
+        'Storage_Options' to storage_options and obey '_env_prefix', '_cli_parse_args', '_secrets_dir', ..."""
+        check_keys(values, type(self).model_fields, "TrainConfig:")
         try:
             super().__init__(**values)
         except SettingsError as exc:  # a bounded source's one line, wrapped by pydantic-settings
