@@ -5,8 +5,9 @@ TRAIN_SAVE_FOLDER=s3://bucket/runs python -m flows.train
 from flows.train import train, TrainConfig; train(TrainConfig(run_name="x"))
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: serve() runs the flow from a by-value cloudpickle of its function,
+# which keeps none of this module's globals, so a string annotation 'TrainConfig' could not be resolved when Prefect
+# validates the `config` parameter (every served run failed with PydanticUserError "TrainModel is not fully defined").
 import sys
 
 from prefect import flow
