@@ -35,7 +35,7 @@ _MAX_LISTED = 8
 def read_config_file(path: str, fields: Mapping[str, Any]) -> dict[str, Any]:
     """The values of a flat TOML or YAML config file, read within bounds; one ConfigError line otherwise."""
     option = f"config_file={short(path)}"
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"{option}: no such file")
     if not path.endswith((".toml", ".yaml", ".yml")):
         raise ConfigError(f"{option}: use a .toml, .yaml or .yml file")

@@ -69,12 +69,12 @@ def read_bounded(path: str, option: str, limit: int = MAX_FILE_BYTES) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"{option}: cannot open it ({exc.strerror})") from None
+    info = os.fstat(fd)
+    too_big = f"{info.st_size} bytes; config files are read up to {limit} bytes" if info.st_size > limit else None
+    if problem := too_big if stat.S_ISREG(info.st_mode) else "not a regular file":
+        os.close(fd)
+        raise ConfigError(f"{option}: {problem}")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{option}: not a regular file")
-        if info.st_size > limit:
-            raise ConfigError(f"{option}: {info.st_size} bytes; config files are read up to {limit} bytes")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ConfigError(f"{option}: grew past {limit} bytes while being read")
@@ -86,8 +86,9 @@ def read_bounded(path: str, option: str, limit: int = MAX_FILE_BYTES) -> str:
 
 def parse_yaml(text: str, option: str) -> Any:
     """YAML's safe subset without anchors or aliases, within the depth, node and number bounds."""
-    loader = _BoundedLoader(text, option)
+    loader = None
     try:
+        loader = _BoundedLoader(text, option)  # its reader refuses control characters here
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
         where = f" (line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1})" if exc.problem_mark else ""
@@ -97,7 +98,8 @@ def parse_yaml(text: str, option: str) -> Any:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{option}: not valid YAML: {_clip(str(exc).splitlines()[0])}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def parse_toml(text: str, option: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ limit so that a regression fails the test instead of the machine): a 457-byte al
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -93,6 +94,21 @@ def test_the_cli_refuses_a_hostile_config_file_in_one_line_exit_2_writing_nothin
     err = capsys.readouterr().err
     assert (code, err) == (2, f"error: {expected}\n")
     assert not folder.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "control characters"])
+def test_a_config_path_that_is_no_text_file_is_one_line_and_never_waits(kind, tmp_path):
+    path = tmp_path / "run.yaml"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it for reading without O_NONBLOCK would wait for a writer forever
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"seed: 1\n\x00\x1b]0;title\x07\n")
+    expected = "not valid YAML: unacceptable character #x0000" if kind == "control characters" else "not a regular file"
+    with pytest.raises(ConfigError) as info:
+        load_config(["--config_file", str(path)])
+    assert str(info.value).startswith(f"config_file={str(path)!r}: {expected}")
 
 
 def test_yaml_and_toml_within_bounds_still_load(tmp_path):
