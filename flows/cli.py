@@ -23,6 +23,7 @@ from checkpointing import CheckpointError, StorageError
 from flows.server import prefect_api
 from training import preemption
 from training.config import ConfigError, TrainConfig, describe_error, load_config
+from training.config_text import short
 from training.preemption import EXIT_CODE, Preempted
 from training.preflight import preflight
 from training.recipe import allow_recipe
@@ -133,7 +134,7 @@ def _settings_error(exc: SettingsError, argv: list[str]) -> str:
     given = next(
         (argv[i + 1] for i, a in enumerate(argv[:-1]) if a in (f"--{field}", f"--{field.replace('_', '-')}")), ""
     )
-    return f"{field}={given!r}: use a JSON object, e.g. --{field} '{{\"hidden\": 64}}'"
+    return f"{field}={short(given)}: use a JSON object, e.g. --{field} '{{\"hidden\": 64}}'"
 
 
 def _fail(message: str, code: int) -> int:

@@ -9,8 +9,9 @@ of Prefect; this flow adds what is Prefect's: the restart cap, the trust of para
 UI's artifacts, and the state a preempted attempt leaves the flow run in (flows/restarts.py).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: serve() runs the flow from a by-value cloudpickle of its function,
+# which keeps none of this module's globals, so a string annotation 'TrainConfig' could not be resolved when Prefect
+# validates the `config` parameter (every served run failed with PydanticUserError "TrainModel is not fully defined").
 import sys
 
 from prefect import Flow
@@ -97,10 +98,11 @@ def stopped_between_units(run: Run) -> None:
 
 def refuse_storage_options_from_parameters() -> None:
     """storage_options may hold credentials and endpoints: they come from the worker's environment
-    (TRAIN_STORAGE_OPTIONS) or from Python, never from a flow-run parameter set through the API."""
+    (TRAIN_STORAGE_OPTIONS) or from Python, never from a flow-run parameter set through the API. Spelled in
+    any case too: TrainConfig refuses such keys anyway, this does not rely on it."""
     context = FlowRunContext.get()
     raw = (context.flow_run.parameters or {}).get("config") if context and context.flow_run else None
-    if isinstance(raw, dict) and any(str(k).lower() == "storage_options" for k in raw):
+    if isinstance(raw, dict) and any(str(key).lower().replace("-", "_") == "storage_options" for key in raw):
         raise ConfigError(
             "storage_options cannot be set through a flow-run parameter (the API stores parameters, and they "
             "choose endpoints); set TRAIN_STORAGE_OPTIONS in the environment of the worker instead"

@@ -17,18 +17,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    CliSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-    YamlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from checkpointing.protocols import check_store_url
 from checkpointing.store import validate_name
-from training.config_file import nested_sections_problem
+from training.config_sources import BoundedCliSource, BoundedEnvSource, check_flag_json, file_source
+from training.config_text import ConfigError, check_keys, short
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ep|ba|sp)\s*$")
 MAX_COUNT = 10**12  # epochs, batches or samples: far past any real run, far below int64 overflow
@@ -37,10 +31,7 @@ MAX_BATCH = 2**31 - 1
 _RECIPE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 _METRIC_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]{0,127}$")
 _config_file: contextvars.ContextVar[str | None] = contextvars.ContextVar("config_file", default=None)
-
-
-class ConfigError(ValueError):
-    """A configuration value the run cannot use. Never retried."""
+_flags: contextvars.ContextVar[PydanticBaseSettingsSource | None] = contextvars.ContextVar("flags", default=None)
 
 
 @dataclass(frozen=True)
@@ -340,6 +331,18 @@ class TrainConfig(BaseSettings):
         None, description="YAML or TOML file with any of these fields (flags and TRAIN_* variables override it)."
     )
 
+    def __init__(self, /, **values: Any) -> None:
+        """Keyword arguments are field names, exactly: a flow-run parameter arrives here as TrainConfig(**dict)
+        (pydantic validates the ``config`` parameter through this constructor), and pydantic-settings would match
+        'Storage_Options' to storage_options and obey '_env_prefix', '_cli_parse_args', '_secrets_dir', ..."""
+        check_keys(values, type(self).model_fields, "TrainConfig:")
+        try:
+            super().__init__(**values)
+        except SettingsError as exc:  # a bounded source's one line, wrapped by pydantic-settings
+            if isinstance(exc.__cause__, ConfigError):
+                raise exc.__cause__ from None
+            raise
+
     @field_validator("checkpoint_score_attribute")
     @classmethod
     def _metric_name(cls, v: str | None) -> str | None:
@@ -388,10 +391,12 @@ class TrainConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ):
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        flags = _flags.get()
+        sources: list[PydanticBaseSettingsSource] = [*([flags] if flags else []), init_settings]
+        sources.append(BoundedEnvSource(settings_cls))  # not env_settings: its JSON decoding is unbounded
         path = _config_file.get() or os.environ.get("TRAIN_CONFIG_FILE")
         if path:
-            sources.append(_file_source(settings_cls, path))
+            sources.append(file_source(settings_cls, path))
         return tuple(sources)
 
     # -- derived -------------------------------------------------------------------------------
@@ -416,30 +421,17 @@ class TrainConfig(BaseSettings):
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _file_source(settings_cls: type[BaseSettings], path: str) -> PydanticBaseSettingsSource:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config_file={path!r}: no such file")
-    if problem := nested_sections_problem(path, settings_cls.model_fields):
-        raise ConfigError(problem)
-    if path.endswith(".toml"):
-        return TomlConfigSettingsSource(settings_cls, toml_file=path)
-    if path.endswith((".yaml", ".yml")):
-        return YamlConfigSettingsSource(settings_cls, yaml_file=path)
-    raise ConfigError(f"config_file={path!r}: use a .toml, .yaml or .yml file")
-
-
 def load_config(argv: list[str] | None = None, **overrides: Any) -> TrainConfig:
     """Builds TrainConfig from flags, TRAIN_* variables and an optional config file."""
     argv = list(argv or [])
-    path = _find_config_file(argv)
-    token = _config_file.set(path)
+    check_flag_json(argv, TrainConfig.model_fields)
+    flags: BoundedCliSource[TrainConfig] = BoundedCliSource(TrainConfig, cli_parse_args=argv, cli_exit_on_error=False)
+    file_token, flags_token = _config_file.set(_find_config_file(argv)), _flags.set(flags(args=argv))
     try:
-        cli: CliSettingsSource[TrainConfig] = CliSettingsSource(
-            TrainConfig, cli_parse_args=argv, cli_exit_on_error=False
-        )
-        return TrainConfig(_cli_settings_source=cli(args=argv), **overrides)
+        return TrainConfig(**overrides)
     finally:
-        _config_file.reset(token)
+        _flags.reset(flags_token)
+        _config_file.reset(file_token)
 
 
 def _find_config_file(argv: list[str]) -> str | None:
@@ -449,11 +441,6 @@ def _find_config_file(argv: list[str]) -> str | None:
         if arg.startswith(("--config_file=", "--config-file=")):
             return arg.split("=", 1)[1]
     return None
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def describe_error(exc: ValidationError) -> str:
@@ -467,5 +454,5 @@ def describe_error(exc: ValidationError) -> str:
         elif msg.startswith(f"{field}=") or field == "config":
             lines.append(msg)
         else:
-            lines.append(f"{field}={_short(err.get('input'))}: {msg}")
+            lines.append(f"{field}={short(err.get('input'))}: {msg}")
     return "\n".join(lines)

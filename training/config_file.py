@@ -1,21 +1,24 @@
-"""Config files written for other trainers: nested sections are refused with their flat equivalent.
+"""Config files: read within bounds, and written for other trainers' nested sections refused with their flat
+equivalent.
+
+The file is read once, bounded (training/config_text.py), and the checked mapping is what pydantic-settings gets:
+its own YAML/TOML sources would read the file again, unbounded. Keys are field names exactly.
 
 MindSpore Transformers' YAML nests its settings (``runner_config: {epochs: 3, batch_size: 32}``,
 ``CheckpointMonitor`` under ``callbacks``, ``trainer: {ignore_data_skip: ...}``). TrainConfig is flat, and
 pydantic would reject each section as "extra inputs are not permitted", which says nothing about what to
-write instead. This reads the file first and, when it nests, names the flat key for each nested key it
-recognises, in one line.
+write instead. When the file nests, this names the flat key for each nested key it recognises, in one line.
 """
 
 from __future__ import annotations
 
 import json
-import tomllib
+import os
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import yaml
+from training.config_text import ConfigError, check_keys, parse_toml, parse_yaml, read_bounded, short
 
 # MindSpore Transformers' names -> (our field, how its value converts). Their batch_size is per device.
 _FOREIGN: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -29,20 +32,29 @@ _FOREIGN: dict[str, tuple[str, Callable[[Any], Any]]] = {
 _MAX_LISTED = 8
 
 
-def nested_sections_problem(path: str, fields: Mapping[str, Any]) -> str | None:
-    """One line naming the flat equivalent of a nested file's keys; None when the file is flat."""
+def read_config_file(path: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of a flat TOML or YAML config file, read within bounds; one ConfigError line otherwise."""
+    option = f"config_file={short(path)}"
+    if not os.path.exists(path):
+        raise ConfigError(f"{option}: no such file")
     if not path.endswith((".toml", ".yaml", ".yml")):
-        return None  # the caller names the suffixes it reads
-    try:
-        raw = _read(path)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        return f"config_file={path!r}: not valid {path.rsplit('.', 1)[-1].upper()} ({str(exc).splitlines()[0]})"
+        raise ConfigError(f"{option}: use a .toml, .yaml or .yml file")
+    text = read_bounded(path, option)
+    raw = parse_toml(text, option) if path.endswith(".toml") else parse_yaml(text, option)
     if raw is None:
-        return None  # an empty file sets nothing
+        return {}  # an empty file sets nothing
     if not isinstance(raw, Mapping):
-        return (
-            f"config_file={path!r}: expected a mapping of TrainConfig fields at the top level, got {type(raw).__name__}"
+        raise ConfigError(
+            f"{option}: expected a mapping of TrainConfig fields at the top level, got {type(raw).__name__}"
         )
+    if problem := nested_sections_problem(raw, option, fields):
+        raise ConfigError(problem)
+    check_keys(raw, fields, f"{option}:")
+    return dict(raw)
+
+
+def nested_sections_problem(raw: Mapping[Any, Any], option: str, fields: Mapping[str, Any]) -> str | None:
+    """One line naming the flat equivalent of a nested file's keys; None when the file is flat."""
     dict_fields = {name for name, f in fields.items() if dict in (f.annotation, typing.get_origin(f.annotation))}
     nested = [k for k, v in raw.items() if k not in dict_fields and _has_mapping(v)]
     if not nested:
@@ -58,17 +70,10 @@ def nested_sections_problem(path: str, fields: Mapping[str, Any]) -> str | None:
         else:
             recognised.append(f"{dotted} -> {mapped[0]}: {_scalar(mapped[1])}")
     return (
-        f"config_file={path!r}: nested sections are not read; TrainConfig is flat. "
+        f"{option}: nested sections are not read; TrainConfig is flat. "
         f"Recognised: {_listing(recognised) or 'none'}; unknown: {_listing(unknown) or 'none'}. "
         f"Write the recognised keys at the top level (python -m flows.train --help lists every field)"
     )
-
-
-def _read(path: str) -> Any:
-    with open(path, "rb") as f:
-        if path.endswith(".toml"):
-            return tomllib.load(f)
-        return yaml.safe_load(f)
 
 
 def _has_mapping(value: Any) -> bool:
@@ -112,5 +117,5 @@ def _scalar(value: Any) -> str:
 
 
 def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
+    shown = ", ".join(item if len(item) <= 100 else f"{item[:100]}..." for item in items[:_MAX_LISTED])
     return shown + (f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")

@@ -24,7 +24,7 @@ HEARTBEAT_WITHIN_SECONDS = 60
 class RunningStack:
     """The stack's processes, the environment to talk to it, and the worker, which a test may kill and replace."""
 
-    def __init__(self, home: Path, logs: Path):
+    def __init__(self, home: Path, logs: Path, allowed_root: Path):
         self.logs = logs
         self.stack = stacks.Stack(
             home=home,
@@ -32,6 +32,7 @@ class RunningStack:
             extra_env={
                 "PYTHONPATH": str(ROOT),  # flow-run processes import the tests' recipes
                 "TRAIN_ALLOWED_RECIPES": TEST_RECIPES,  # ... which the worker allows, as a real worker would
+                "TRAIN_ALLOWED_ROOTS": str(allowed_root),  # where runs may read and write: this session's tmp folders
                 "EVIL_MARKER": str(logs / "evil-module-was-imported"),  # tests/evil_recipe.py writes it on import
                 "PREFECT_LOGGING_LEVEL": "INFO",  # flow-run logs reach the API, where tests read them
                 "PREFECT_WORKER_QUERY_SECONDS": "1",
@@ -93,7 +94,8 @@ def _alive(pid: int) -> bool:
 def prefect_stack(tmp_path_factory):
     """Server + pool + deployments + automations + worker, for one test module."""
     logs = tmp_path_factory.mktemp("stack-logs")
-    running = RunningStack(home=tmp_path_factory.mktemp("prefect-home"), logs=logs)
+    running = RunningStack(home=tmp_path_factory.mktemp("prefect-home"), logs=logs,
+                           allowed_root=tmp_path_factory.getbasetemp())  # fmt: skip
     try:
         running.up()
         yield running
