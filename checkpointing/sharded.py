@@ -9,8 +9,9 @@ commits them with ``CheckpointStore.commit_files`` (manifest, then ``latest``, f
 On load nothing is deserialized unless the manifest vouches for its bytes. DCP reads ``.metadata`` with
 plain ``pickle`` and non-tensor values with ``torch.load(weights_only=False)``: here ``.metadata`` is
 hashed against the manifest and then unpickled by an allow-list of DCP's own classes, non-tensor values
-load with ``weights_only=True``, and each shard file a rank's plan touches is read whole once, hashed and
-compared before DCP sees a byte of it. A rank reads only the files its plan needs: DCP's files are split
+load with ``weights_only=True``, every item's zip is bounded by its own size before it is torch.loaded
+(serialization.py), and each shard file a rank's plan touches is read whole once, hashed and compared
+before DCP sees a byte of it. A rank reads only the files its plan needs: DCP's files are split
 so that small items (optimizer hyper-parameters, step counters) sit apart from the big tensor shards.
 
 Works with an initialized process group (every rank calls the same function; ``ranks.py`` makes them
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from checkpointing import ranks
 from checkpointing.manifest import FileEntry, Writer
+from checkpointing.serialization import check_unpacked_size
 from checkpointing.store import (
     CHECKPOINTS,
     CheckpointError,
@@ -275,6 +277,15 @@ class _VouchedReader(FsspecReader):
         self.fs = self.vouched  # type: ignore[assignment]  # (the base class declares torch's local FileSystem)
         self.path = folder
         self._metadata = metadata
+
+    def _slice_file(self, file, sinfo: _StorageInfo):
+        """One item of a shard file. DCP torch.loads a tensor item itself: its zip is bounded here first."""
+        where = f"{self.vouched.info.uri}/{sinfo.relative_path} (item at byte {sinfo.offset})"
+        with file.getbuffer() as whole:  # the vouched file, held whole (_VouchedFileSystem)
+            if sinfo.offset + sinfo.length > len(whole):
+                raise CorruptCheckpointError(f"{where}: {DCP_METADATA} places an item past the end of the file")
+            check_unpacked_size(whole[sinfo.offset : sinfo.offset + sinfo.length], where)
+        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         """The metadata read (and vouched for) before DCP started; DCP's own read would unpickle freely."""

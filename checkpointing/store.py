@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import json
 import logging
+import numbers
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -30,8 +31,15 @@ from checkpointing.fencing import Fence, FencedError
 from checkpointing.hashing import in_background, sha256_hex
 from checkpointing.localfs import NOT_A_FILE
 from checkpointing.manifest import MANIFEST, FileEntry, Manifest, ManifestError, Writer, describe
-from checkpointing.serialization import CheckpointError, UnsafeCheckpointError, safe_load, serialize
+from checkpointing.serialization import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    safe_load,
+    serialize,
+)
 from checkpointing.storage import RetrySettings, Storage
+from checkpointing.untrusted import printable
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +62,6 @@ __all__ = [
     "UnsafeCheckpointError",
     "serialize",
 ]
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's files do not match what its manifest vouches for."""
 
 
 class NotACheckpointError(CheckpointError, ValueError):
@@ -466,7 +470,7 @@ def read_vouched(storage: Storage, key: str, entry: FileEntry) -> bytes:
     """Reads ``key`` once, hashing as it arrives; CorruptCheckpointError unless size and sha256 match ``entry``.
     A local link or special file reads as missing."""
     try:
-        data, digest = storage.get_hashed(key)
+        data, digest = storage.get_hashed(key, max_bytes=entry.size)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{storage.uri(key)}: missing ({exc})") from exc
     if len(data) != entry.size or digest != entry.sha256:
@@ -499,12 +503,17 @@ def _cross_check_progress(info: CheckpointInfo, state: Any) -> None:
     copy = state.get("progress") if isinstance(state, dict) else None
     if not isinstance(copy, dict):
         return
-    differing = sorted(k for k in set(copy) & set(info.progress) if int(copy[k]) != int(info.progress[k]))
+    differing = sorted(k for k in info.progress if k in copy and not _same_count(copy[k], info.progress[k]))
     if differing:
+        theirs = ", ".join(f"{k}={printable(copy[k])[:40]}" for k in differing)  # from the file: escaped, cut short
         raise CorruptCheckpointError(
             f"{info.uri}: the manifest's progress ({', '.join(f'{k}={info.progress[k]}' for k in differing)}) "
-            f"disagrees with the copy inside {STATE_FILE} ({', '.join(f'{k}={copy[k]}' for k in differing)})"
+            f"disagrees with the copy inside {STATE_FILE} ({theirs})"
         )
+
+
+def _same_count(value: Any, expected: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) == expected
 
 
 def _score(info: CheckpointInfo, attribute: str, order: str) -> tuple[int, float]:
