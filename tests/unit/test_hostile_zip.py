@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from checkpointing import CorruptCheckpointError, UnsafeCheckpointError, sharded
+from checkpointing.export import export_checkpoint
 from checkpointing.weights import read_weights
 from tests.hostile import deflated, run_of, torch_bytes, vouch, weights_of
 
@@ -101,3 +102,10 @@ def test_a_weights_file_with_deflated_entries_is_refused_within_its_size_bound(t
     path.write_bytes(bomb)
     with pytest.raises(UnsafeCheckpointError, match=r"load_path='.*small\.pt': refused: it holds compressed zip"):
         read_weights(str(path), max_bytes=len(bomb))  # passes the size bound by a factor of a thousand
+
+
+def test_export_of_a_run_skips_a_vouched_state_file_without_a_model_and_exports_the_previous_one(tmp_path):
+    store = run_of((str(tmp_path / "runs"), None), epochs=2)
+    vouch(store, "ep2-ba16-sa512", {"state.pt": torch_bytes({"state": ["not", "a", "model"]})})
+    export_checkpoint(store.uri, str(tmp_path / "model.pt"))
+    assert torch.equal(torch.load(tmp_path / "model.pt", weights_only=True)["model"]["w"], torch.full((4,), 1.0))
