@@ -85,7 +85,7 @@ class Writer:
 
     @classmethod
     def current(cls, generation: int = 0, label: str = "") -> Writer:
-        return cls(host=socket.gethostname(), pid=os.getpid(), generation=generation, label=label)
+        return cls(host=socket.gethostname(), pid=os.getpid(), generation=generation, label=label[:MAX_LABEL])
 
 
 @dataclass(frozen=True)
