@@ -39,10 +39,11 @@ MAX_CLAIM_BYTES = 4 << 10
 MAX_ROLLBACK_BYTES = 1 << 20
 MAX_LABEL = 256
 MAX_LISTED = 1000
-# Nesting: a manifest is 4 levels deep plus the recipe_args it records; 64 is far above that and far below
-# Python's recursion limit (1000), so nothing that walks a parsed value afterwards (a checksum's json.dumps)
-# comes near that limit either.
-MAX_JSON_DEPTH = 64
+# Nesting: a manifest is 4 levels deep plus the recipe_args it records (metadata.config.recipe_args): 128
+# leaves recipe_args 124 levels, more than any config layer should accept, and stays far below Python's
+# recursion limit (1000), so nothing that walks a parsed value afterwards (a checksum's json.dumps) comes
+# near it either.
+MAX_JSON_DEPTH = 128
 # Generations and counters become file names and int64 tensors: larger is damage.
 MAX_INT = 2**63 - 1
 

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from checkpointing import CheckpointError, Writer
 from checkpointing.untrusted import MAX_MANIFEST_BYTES, MAX_POINTER_BYTES
 from tests.conftest import ROOT
 from tests.hostile import DEEP, NAMES, forge_manifest, run_of, weights_of
@@ -25,8 +26,8 @@ HUGE = 1 << 30
     "where, content, problem",
     [
         ("latest", DEEP, "larger than 4096 bytes"),
-        ("latest", b"[" * 4000, "nested 4000 levels deep (at most 64)"),
-        ("manifest", DEEP, "nested 100000 levels deep (at most 64)"),
+        ("latest", b"[" * 4000, "nested 4000 levels deep (at most 128)"),
+        ("manifest", DEEP, "nested 100000 levels deep (at most 128)"),
     ],
     ids=["big latest", "deep latest", "deep manifest"],
 )
@@ -163,3 +164,22 @@ def test_latest_naming_a_checkpoint_that_is_gone_is_rewritten_to_the_newest_good
         "manifest_sha256": store.info(NAMES[1]).manifest_sha256,
     }
     assert store.repair_pointer() is None  # nothing left to repair
+
+
+def test_a_commit_whose_manifest_readers_would_refuse_fails_at_once_and_latest_stays(tmp_path):
+    store = run_of((str(tmp_path / "runs"), None), epochs=1)
+    deep: dict = {}
+    for _ in range(200):  # recipe_args nested 200 deep: readers stop at 128 levels
+        deep = {"a": deep}
+    with pytest.raises(
+        CheckpointError, match=r"ep2-ba16-sa512: readers would refuse its manifest .*nested 20\d levels"
+    ):
+        store.save(
+            "ep2-ba16-sa512",
+            {"state.pt": {"w": 1}},
+            progress={"samples_seen": 512},
+            metadata={"config": deep},
+            writer=Writer.current(1),
+        )
+    assert store.read_pointer()["name"] == NAMES[0] and store.latest().name == NAMES[0]
+    assert store.info("ep2-ba16-sa512") is None  # no manifest was written
