@@ -10,7 +10,8 @@
 A URI is a run folder (<save_folder>/<run_name>) or, for verify and export, one checkpoint folder
 (<save_folder>/<run_name>/checkpoints/<name>). --storage-options takes fsspec options as JSON (for
 another S3 endpoint, say); credentials belong in the standard AWS variables, and the value is never
-printed.
+printed. Names, metrics and messages read from a bucket are printed escaped (``printable``): a name may hold
+terminal escapes or a newline, and must not set the terminal's title or forge a row of the table.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ import sys
 
 from checkpointing.protocols import check_store_url
 from checkpointing.storage import StorageError
-from checkpointing.store import CheckpointError, CheckpointInfo, CheckpointStore, split_run_uri, validate_name
+from checkpointing.store import (
+    CHECKPOINTS,
+    POINTER,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    split_run_uri,
+    validate_name,
+)
+from checkpointing.untrusted import printable
 
 
 def _run_store(uri: str, options: dict) -> tuple[CheckpointStore, str | None]:
@@ -35,6 +45,11 @@ HEADER = ("name", "epoch", "step", "samples", "size MB", "verified", "latest")
 
 def cmd_ls(args, options) -> int:
     store, _ = _run_store(args.uri, options)
+    if not (store.storage.exists(POINTER) or store.storage.exists(CHECKPOINTS)):
+        print(
+            f"error: no run at {printable(store.uri)} (neither '{POINTER}' nor '{CHECKPOINTS}/' there)", file=sys.stderr
+        )
+        return 2
     if args.best:
         return _ls_best(store, args.best, args.order)
     pointer = (store.read_pointer() or {}).get("name")
@@ -44,7 +59,7 @@ def cmd_ls(args, options) -> int:
         print(f"(no checkpoints in {store.uri})")
     set_aside = store.set_aside(infos)  # the manifests just read, not a second listing
     if set_aside:
-        print(f"(set aside by a roll-back: kept, never resumed from: {', '.join(set_aside)})")
+        print(f"(set aside by a roll-back: kept, never resumed from: {', '.join(map(printable, set_aside))})")
     return 0
 
 
@@ -52,9 +67,9 @@ def _ls_best(store: CheckpointStore, metric: str, order: str) -> int:
     """``ls --best METRIC``: the checkpoints that report METRIC, best first, with its value beside the name."""
     best = store.best(metric, order)
     if not best:
-        reported = sorted({m for info in store.list() for m in info.metrics})
+        reported = sorted({printable(m) for info in store.list() for m in info.metrics})
         known = f"they report: {', '.join(reported)}" if reported else "none of its checkpoints reports metrics"
-        print(f"error: no checkpoint in {store.uri} reports metric {metric!r} ({known})", file=sys.stderr)
+        print(f"error: no checkpoint in {printable(store.uri)} reports metric {metric!r} ({known})", file=sys.stderr)
         return 2
     pointer = (store.read_pointer() or {}).get("name")
     rows: list[tuple[str, ...]] = [(HEADER[0], metric, *HEADER[1:])]
@@ -79,6 +94,7 @@ def _row(store: CheckpointStore, info: CheckpointInfo, pointer: str | None) -> t
 
 
 def _print_table(rows: list[tuple[str, ...]]) -> None:
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
@@ -89,12 +105,12 @@ def cmd_verify(args, options) -> int:
     name = validate_name(args.name, "--name") if args.name else name
     names = [name] if name else [i.name for i in store.list()]
     if not names:
-        print(f"no checkpoints in {store.uri}", file=sys.stderr)
+        print(f"no checkpoints in {printable(store.uri)}", file=sys.stderr)
         return 1
     bad = 0
     for n in names:
         problems = store.check(n, deep=True)
-        print(f"{n}: {'ok' if not problems else 'BAD: ' + '; '.join(problems)}")
+        print(printable(f"{n}: {'ok' if not problems else 'BAD: ' + '; '.join(problems)}"))
         bad += bool(problems)
     return 1 if bad else 0
 
@@ -104,7 +120,7 @@ def cmd_export(args, options) -> int:
     check_store_url(args.out, "out")
     from checkpointing.export import export_checkpoint  # torch and safetensors: only export needs them
 
-    print(export_checkpoint(args.uri, args.out, storage_options=options, fmt=args.format))
+    print(printable(export_checkpoint(args.uri, args.out, storage_options=options, fmt=args.format)))
     return 0
 
 
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export}[args.command](args, options)
     except (CheckpointError, StorageError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(exc)}", file=sys.stderr)
         return 1
 
 

@@ -89,12 +89,21 @@ def model_weights(uri: str, storage_options: dict[str, Any] | None) -> tuple[dic
                 from checkpointing.sharded import consolidated_model  # DCP: slow to import, only for these
 
                 return consolidated_model(store, info), info
-            return store.load(info, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"], info
+            return _model_of(store.load(info, files=[STATE_FILE]).objects.get(STATE_FILE), info), info
         except CorruptCheckpointError as exc:
             if name is not None:
                 raise
             log.warning("skipping checkpoint %s: %s", info.name, exc)
     raise NotACheckpointError(f"uri={uri!r}: no checkpoint there that verifies")
+
+
+def _model_of(state: Any, info: CheckpointInfo) -> dict[str, Any]:
+    """``state["state"]["model"]``; CorruptCheckpointError (the next checkpoint is tried) when it is not there."""
+    model = state.get("state") if isinstance(state, dict) else None
+    model = model.get("model") if isinstance(model, dict) else None
+    if not isinstance(model, dict):
+        raise CorruptCheckpointError(f"{info.uri}/{STATE_FILE}: holds no ['state']['model'] state_dict")
+    return model
 
 
 def export_metadata(info: CheckpointInfo) -> dict[str, Any]:

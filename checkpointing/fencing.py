@@ -5,6 +5,10 @@ create (O_EXCL locally, a conditional put on S3). A commit first checks that no 
 been claimed; a stale writer gets a FencedError naming who displaced it, and the newer writer logs whom
 it displaced, so two trainings of one ``run_name`` never lose work silently.
 
+Claims lie in the bucket, where anyone who may write it may write one: only names of 1-19 digits count (a
+generation is an int64), a claim file is read bounded (untrusted.py) and each field typed, and a claim that is
+not readable is still a claim of the generation its name gives, only without who made it.
+
 A claim alone cannot stop an older writer that is still alive: it would train on, side by side with the new
 one, until its next commit is refused (seen when a worker reported one death twice and the run was restarted
 twice). So a writer also holds a *lease* (``leases/<generation>``), renewed every ``LEASE_SECONDS`` by a
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import socket
 import threading
 import time
@@ -29,6 +35,7 @@ from typing import Any
 from checkpointing.manifest import Writer
 from checkpointing.serialization import CheckpointError
 from checkpointing.storage import Storage
+from checkpointing.untrusted import MAX_CLAIM_BYTES, MAX_INT, MAX_LABEL, DamagedFileError, as_dict, printable, read_json
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,8 @@ CLAIMS = "claims"
 LEASES = "leases"
 LEASE_SECONDS = 5.0  # how often a holder renews its lease
 LEASE_STALE = 3 * LEASE_SECONDS  # a lease not renewed for this long belongs to a holder that is gone
+_CLAIM_NAME = re.compile(r"^[0-9]{1,19}$")
+_MAX_HOST = 255
 
 
 class FencedError(CheckpointError):
@@ -65,21 +74,25 @@ class Fence:
 
     def newest(self) -> int:
         names = self.storage.sizes(CLAIMS) if self.storage.exists(CLAIMS) else {}
-        return max((int(n) for n in names if n.isdigit()), default=0)
+        generations = (int(n) for n in names if _CLAIM_NAME.match(n))  # ASCII digits: str.isdigit takes '²' too
+        return max((g for g in generations if g <= MAX_INT), default=0)
 
     def read(self, generation: int) -> Claim:
+        """Who claimed ``generation``, as far as its file says; fields that are missing or not of their type
+        (or a file that is not a claim at all) leave that part of the description blank."""
         try:
-            raw: dict[str, Any] = json.loads(self.storage.get(f"{CLAIMS}/{generation:012d}"))
-            return Claim(
-                generation=generation,
-                label=str(raw.get("label", "")),
-                host=str(raw.get("host", "")),
-                pid=int(raw.get("pid", 0)),
-                claimed_at=float(raw.get("claimed_at", 0.0)),
-                owner=str(raw.get("owner", "")),
-            )
-        except (FileNotFoundError, ValueError, TypeError):
+            raw = as_dict(read_json(self.storage, f"{CLAIMS}/{generation:012d}", MAX_CLAIM_BYTES), "the claim")
+        except (FileNotFoundError, DamagedFileError):
             return Claim(generation=generation)
+        label, host, pid, claimed_at, owner = (raw.get(k) for k in ("label", "host", "pid", "claimed_at", "owner"))
+        return Claim(
+            generation=generation,
+            label=printable(label)[:MAX_LABEL] if isinstance(label, str) else "",  # it goes into log lines
+            host=printable(host)[:_MAX_HOST] if isinstance(host, str) else "",
+            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= MAX_INT else 0,
+            claimed_at=_time(claimed_at),
+            owner=printable(owner)[:MAX_LABEL] if isinstance(owner, str) else "",
+        )
 
     def claim(self, floor: int, label: str = "", owner: str = "", handover_seconds: float = 0.0) -> int:
         """Claims a generation above ``floor`` and every claim so far; logs the writer it displaces. With
@@ -89,6 +102,7 @@ class Fence:
         if previous and handover_seconds > 0:
             self.take_over(previous, label, owner, handover_seconds)
         generation = max(previous, floor) + 1
+        label = label[:MAX_LABEL]
         for _ in range(100):
             me = Writer.current(generation, label)
             body = {
@@ -143,19 +157,20 @@ class Fence:
         return True
 
     def read_lease(self, generation: int) -> dict[str, Any] | None:
+        """The holder's lease (``beat``, ``renewed_at``, ``released``), or None when there is none readable."""
         try:
-            raw = json.loads(self.storage.get(f"{LEASES}/{generation:012d}", max_bytes=4096))
-        except (FileNotFoundError, ValueError, TypeError, RecursionError):
+            return as_dict(read_json(self.storage, f"{LEASES}/{generation:012d}", MAX_CLAIM_BYTES), "the lease")
+        except (FileNotFoundError, DamagedFileError):
             return None
-        return raw if isinstance(raw, dict) else None
 
     def stop_request(self, generation: int) -> dict[str, Any] | None:
-        """The request of a newer attempt that this generation hand over, if one was made."""
+        """The request of a newer attempt that this generation hand over, if one was made: who asked (escaped)."""
         try:
-            raw = json.loads(self.storage.get(f"{LEASES}/{generation:012d}.stop", max_bytes=4096))
-        except (FileNotFoundError, ValueError, TypeError, RecursionError):
+            raw = as_dict(read_json(self.storage, f"{LEASES}/{generation:012d}.stop", MAX_CLAIM_BYTES), "the request")
+        except (FileNotFoundError, DamagedFileError):
             return None
-        return {k: raw.get(k) for k in ("by", "owner", "host", "pid")} if isinstance(raw, dict) else None
+        return {k: printable(v)[:MAX_LABEL] if isinstance(v, str) else v for k, v in raw.items()
+                if k in ("by", "owner", "host", "pid")}  # fmt: skip
 
     def check(self, writer: Writer, pointer_generation: int) -> None:
         newest = max(self.newest(), pointer_generation)
@@ -166,6 +181,15 @@ class Fence:
                 f"without writing. Two trainings of one run_name were running; the newer one carries on from the "
                 f"latest checkpoint."
             )
+
+
+def _time(value: object) -> float:
+    """A claim's time, or 0.0 (unknown) for anything but a finite, non-negative number."""
+    try:
+        seconds = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        return 0.0
+    return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
 
 
 class Lease:

@@ -9,7 +9,13 @@ file descriptors (``openat``), so nothing can be swapped in between the check an
 - reading: a link, or anything but a regular file, is reported as damage (a warning) and reads as
   missing: the checkpoint that holds it fails verification and the reader falls back;
 - writing: a link where a file or folder of the run is to be written is removed (never followed) and
-  replaced; a run folder that is itself a link is refused (point ``save_folder`` at the real place).
+  replaced; a run folder that is itself a link is refused (point ``save_folder`` at the real place). A
+  whole-file write goes to a temporary file in the same folder and is renamed over the name (a rename
+  replaces a link there, never follows it), so a kill mid-write leaves the old file, never an empty one;
+  small files (``latest``, manifests, records) are also fsync'ed first, big ones are vouched for by the
+  manifest instead (an fsync costs ~1 s per 200 MB here);
+- walking: folders are walked without recursion and at most MAX_TREE_DEPTH deep; a deeper tree is damage,
+  reported as TOO_DEEP (1500 nested folders failed every relaunch with RecursionError).
 
 Links at or above the anchor (``save_folder`` itself on another disk, say) are the user's own choice.
 """
@@ -20,14 +26,22 @@ import contextlib
 import errno
 import logging
 import os
-import shutil
+import secrets
 import stat
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
+
+from checkpointing.untrusted import printable
 
 log = logging.getLogger(__name__)
 
 NOT_A_FILE = -1  # the size ``sizes`` reports for a link, FIFO or device found where files belong
+TOO_DEEP = -2  # the size ``sizes`` reports for a folder at MAX_TREE_DEPTH, whose content is not walked
+# What the store lays out is at most 2 levels below a listed prefix (checkpoints are flat folders of files);
+# 16 leaves room for people's own folders and keeps a walk's open descriptors few.
+MAX_TREE_DEPTH = 16
+FSYNC_UP_TO = 16 << 20  # untrusted.MAX_MANIFEST_BYTES: every small file the store writes is fsync'ed
+_CHUNK = 16 * 1024 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -89,7 +103,7 @@ class LocalFiles:
         return os.open(part, _DIR_FLAGS, dir_fd=fd)
 
     def _damage(self, parts: list[str], what: str) -> UnsafePathError:
-        where = self._where(parts)
+        where = printable(self._where(parts))  # names from the disk: escaped before they reach a terminal
         log.warning("%s is %s; it is never followed (treated as missing)", where, what)
         return UnsafePathError(f"{where}: {what} (never followed)")
 
@@ -101,7 +115,7 @@ class LocalFiles:
         os.unlink(name, dir_fd=fd)
 
     # -- operations ----------------------------------------------------------------------------
-    def read(self, key: str) -> Iterator[bytes]:
+    def read(self, key: str, chunk_size: int = _CHUNK) -> Iterator[bytes]:
         """Yields the file's bytes in chunks; UnsafePathError for a link or anything not a regular file."""
         parts = self._parts(key)
         with self._folder(parts[:-1], create=False) as folder:
@@ -114,12 +128,32 @@ class LocalFiles:
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise self._damage(parts, "not a regular file")
-            while chunk := f.read(16 * 1024 * 1024):
+            while chunk := f.read(chunk_size):
                 yield chunk
 
     def write(self, key: str, data: bytes) -> None:
-        with self.open_write(key) as f:
-            f.write(data)
+        """Replaces ``key`` whole: a temporary file in the same folder (exclusive, never a link), fsync'ed when
+        small, renamed over the name. A reader sees the old file or the new one, never half of one."""
+        parts = self._parts(key)
+        tmp = f".{parts[-1][:100]}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        with self._folder(parts[:-1], create=True) as folder:
+            fd = os.open(tmp, flags, 0o644, dir_fd=folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if len(data) <= FSYNC_UP_TO:
+                        f.flush()
+                        os.fsync(f.fileno())
+                if _is_link(folder, parts[-1]):
+                    log.warning("%s is a symbolic link; replacing the link (not what it points to)", self._where(parts))
+                os.rename(tmp, parts[-1], src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=folder)
+                raise
+            if len(data) <= FSYNC_UP_TO:
+                os.fsync(folder)  # the rename itself
 
     def open_write(self, key: str) -> IO[bytes]:
         """A new (truncated) regular file at ``key``, for writing; a link there is removed, not written through."""
@@ -165,25 +199,46 @@ class LocalFiles:
         found: dict[str, int] = {}
         try:
             with self._folder(self._parts(prefix), create=False) as folder:
-                self._walk(folder, "", found)
+                self._walk(folder, found, self._where(self._parts(prefix)))
         except (FileNotFoundError, NotADirectoryError):
             pass
         return found
 
-    def _walk(self, folder: int, rel: str, found: dict[str, int]) -> None:
-        with os.scandir(folder) as entries:
-            for entry in entries:
+    def _walk(self, top: int, found: dict[str, int], where: str) -> None:
+        """Depth first with a stack of open folders (no recursion: a deep tree cannot exhaust Python's stack),
+        at most MAX_TREE_DEPTH of them; a folder at that depth is reported TOO_DEEP, not entered."""
+        stack: list[tuple[int, Any, str]] = [(top, os.scandir(top), "")]  # (folder, its ScandirIterator, path)
+        try:
+            while stack:
+                folder, entries, rel = stack[-1]
+                entry = next(entries, None)
+                if entry is None:
+                    self._close(stack.pop(), top)
+                    continue
                 name = f"{rel}{entry.name}"
-                if entry.is_dir(follow_symlinks=False):
-                    child = os.open(entry.name, _DIR_FLAGS, dir_fd=folder)
-                    try:
-                        self._walk(child, f"{name}/", found)
-                    finally:
-                        os.close(child)
-                elif entry.is_file(follow_symlinks=False):
-                    found[name] = entry.stat(follow_symlinks=False).st_size
+                if not entry.is_dir(follow_symlinks=False):
+                    regular = entry.is_file(follow_symlinks=False)
+                    found[name] = entry.stat(follow_symlinks=False).st_size if regular else NOT_A_FILE
+                elif len(stack) >= MAX_TREE_DEPTH:
+                    log.warning(
+                        "%s: folders nested deeper than %d levels; not walked (damage)",
+                        printable(os.path.join(where, name))[:500],
+                        MAX_TREE_DEPTH,
+                    )
+                    found[name] = TOO_DEEP
                 else:
-                    found[name] = NOT_A_FILE
+                    child = os.open(entry.name, _DIR_FLAGS, dir_fd=folder)
+                    stack.append((child, os.scandir(child), f"{name}/"))
+        finally:
+            for item in stack:
+                self._close(item, top)
+
+    @staticmethod
+    def _close(item: tuple[int, Any, str], top: int) -> None:
+        folder, entries, _ = item
+        entries.close()
+        if folder != top:
+            os.close(folder)
 
     def list_dirs(self, prefix: str) -> list[str]:
         """Sub-folders of ``prefix``; links to folders are damage, reported and left out."""
@@ -206,11 +261,56 @@ class LocalFiles:
             with self._folder(parts[:-1], create=False) as folder:
                 mode = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False).st_mode
                 if stat.S_ISDIR(mode) and recursive:
-                    shutil.rmtree(parts[-1], dir_fd=folder)  # fd-based: does not follow links inside
+                    _remove_tree(folder, parts[-1])
                 else:
                     os.unlink(parts[-1], dir_fd=folder)
         except (FileNotFoundError, NotADirectoryError):
             pass
+
+
+def _remove_tree(parent: int, name: str) -> None:
+    """Removes folder ``name`` of ``parent`` and all it holds, never following a link, without recursion and with
+    at most MAX_TREE_DEPTH folders open (shutil.rmtree recurses: 1500 nested folders end in RecursionError,
+    and one descriptor per level would run out). A folder deeper than that is first moved up into ``name``
+    itself, and removed from there on a later pass."""
+    top = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        while True:
+            _empty_folder(top)
+            try:
+                os.rmdir(name, dir_fd=parent)
+                return
+            except OSError as exc:  # ENOTEMPTY: folders moved up while ``top`` was being read
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+    finally:
+        os.close(top)
+
+
+def _empty_folder(top: int) -> None:
+    stack: list[tuple[int, Any, str]] = [(top, os.scandir(top), "")]  # (folder, its ScandirIterator, its name)
+    try:
+        while stack:
+            folder, entries, _ = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                folder, entries, done = stack.pop()
+                entries.close()
+                if stack:
+                    os.close(folder)
+                    os.rmdir(done, dir_fd=stack[-1][0])
+            elif not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.name, dir_fd=folder)
+            elif len(stack) >= MAX_TREE_DEPTH:
+                os.rename(entry.name, f".deep-{secrets.token_hex(8)}", src_dir_fd=folder, dst_dir_fd=top)
+            else:
+                child = os.open(entry.name, _DIR_FLAGS, dir_fd=folder)
+                stack.append((child, os.scandir(child), entry.name))
+    finally:
+        for folder, entries, _ in stack:
+            entries.close()
+            if folder != top:
+                os.close(folder)
 
 
 def _is_link(fd: int, name: str) -> bool:

@@ -22,6 +22,7 @@ from checkpointing.localfs import UnsafePathError
 from checkpointing.serialization import CheckpointError
 from checkpointing.storage import RetrySettings, Storage
 from checkpointing.store import CHECKPOINTS, split_run_uri, validate_name
+from checkpointing.untrusted import DamagedFileError, read_json
 
 RELEASE = "release.json"
 MAX_RELEASE_BYTES = 64 * 1024
@@ -58,17 +59,13 @@ class ReleaseFile:
     def read(self) -> Release | None:
         """The current release, or None before the first promotion; ReleaseError for a file not to be trusted."""
         try:
-            data = self.storage.get(RELEASE, max_bytes=MAX_RELEASE_BYTES)
+            raw = read_json(self.storage, RELEASE, MAX_RELEASE_BYTES, allow_nan=False)
         except UnsafePathError as exc:
             raise ReleaseError(f"{self.uri}: {exc}") from exc
         except FileNotFoundError:
             return None
-        if len(data) > MAX_RELEASE_BYTES:
-            raise ReleaseError(f"{self.uri}: larger than {MAX_RELEASE_BYTES} bytes; not a release file")
-        try:
-            raw = json.loads(data, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
-            raise ReleaseError(f"{self.uri}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from exc
+        except DamagedFileError as exc:
+            raise ReleaseError(f"{self.uri}: {exc}; not a release file") from exc
         return self._checked(raw)
 
     def write(self, release: Release) -> None:
@@ -105,10 +102,6 @@ class ReleaseFile:
                 f"{release.run_name!r} in this save folder ({expected!r} expected)"
             )
         return release
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _text(value: Any, what: str, limit: int = _MAX_TEXT) -> str:

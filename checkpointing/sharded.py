@@ -8,8 +8,9 @@ commits them with ``CheckpointStore.commit_files`` (manifest, then ``latest``, f
 
 On load nothing is deserialized unless the manifest vouches for its bytes. DCP reads ``.metadata`` with
 plain ``pickle`` and non-tensor values with ``torch.load(weights_only=False)``: here ``.metadata`` is
-hashed against the manifest and then unpickled by an allow-list of DCP's own classes, non-tensor values
-load with ``weights_only=True``, and each shard file a rank's plan touches is read whole once, hashed and
+hashed against the manifest and then unpickled by an allow-list of DCP's own classes (dcp_metadata.py),
+non-tensor values load with ``weights_only=True``, every item's zip is bounded by its own size before it is
+torch.loaded (serialization.py), and each shard file a rank's plan touches is read whole once, hashed and
 compared before DCP sees a byte of it. A rank reads only the files its plan needs: DCP's files are split
 so that small items (optimizer hyper-parameters, step counters) sit apart from the big tensor shards.
 
@@ -24,14 +25,12 @@ import io
 import logging
 import math
 import os
-import pickle
 import queue
 import warnings
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
@@ -42,14 +41,15 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from checkpointing import ranks
+from checkpointing.dcp_metadata import load_metadata
 from checkpointing.manifest import FileEntry, Writer
+from checkpointing.serialization import check_unpacked_size
 from checkpointing.store import (
     CHECKPOINTS,
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
     CorruptCheckpointError,
-    UnsafeCheckpointError,
     read_vouched,
     safe_load,
     validate_file_name,
@@ -61,24 +61,6 @@ log = logging.getLogger(__name__)
 FORMAT = "dcp"  # manifest.metadata["format"] of a sharded checkpoint
 DCP_METADATA = ".metadata"
 _SMALL_ITEM = 256 * 1024  # items under this go to a rank's small file, which other ranks may need whole
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    *(
-        ("torch.distributed.checkpoint.metadata", n)
-        for n in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        )
-    ),
-}
 
 
 def is_sharded(info: CheckpointInfo) -> bool:
@@ -213,22 +195,7 @@ def read_dcp_metadata(store: CheckpointStore, info: CheckpointInfo) -> dcp_metad
     if entry is None:
         raise CorruptCheckpointError(f"{info.uri}: the manifest lists no {DCP_METADATA}")
     data = read_vouched(store.storage, f"{CHECKPOINTS}/{info.name}/{DCP_METADATA}", entry)
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{info.uri}/{DCP_METADATA}: {exc}; refusing it") from exc
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise UnsafeCheckpointError(f"{info.uri}/{DCP_METADATA}: holds {type(metadata).__name__}, not DCP metadata")
-    return metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+    return load_metadata(data, f"{info.uri}/{DCP_METADATA}")
 
 
 def load_files(store: CheckpointStore, info: CheckpointInfo, names: Iterable[str]) -> dict[str, Any]:
@@ -275,6 +242,15 @@ class _VouchedReader(FsspecReader):
         self.fs = self.vouched  # type: ignore[assignment]  # (the base class declares torch's local FileSystem)
         self.path = folder
         self._metadata = metadata
+
+    def _slice_file(self, file, sinfo: _StorageInfo):
+        """One item of a shard file. DCP torch.loads a tensor item itself: its zip is bounded here first."""
+        where = f"{self.vouched.info.uri}/{sinfo.relative_path} (item at byte {sinfo.offset})"
+        with file.getbuffer() as whole:  # the vouched file, held whole (_VouchedFileSystem)
+            if sinfo.offset + sinfo.length > len(whole):
+                raise CorruptCheckpointError(f"{where}: {DCP_METADATA} places an item past the end of the file")
+            check_unpacked_size(whole[sinfo.offset : sinfo.offset + sinfo.length], where)
+        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         """The metadata read (and vouched for) before DCP started; DCP's own read would unpickle freely."""

@@ -7,43 +7,69 @@ Layout under ``<save_folder>/<run_name>/``::
     checkpoints/<name>/manifest.json   size + sha256 of every file above, progress, writer; written last
     latest                             {"name", "generation", "manifest_sha256"}; moved only after the manifest
     claims/<generation>                one per writer (fencing.py)
-    rollbacks/<generation>.json        a ``resume_from`` roll-back: later checkpoints stop being candidates
+    rollbacks/<generation>.json        a ``resume_from`` roll-back: later checkpoints stop being candidates (rollbacks.py)
 
 Commit order is files, then manifest, then ``latest``. A reader takes the newest checkpoint that verifies,
 newest by (writer generation, samples seen): ``latest`` is the fast path, and a checkpoint committed after
 it (a process killed between its manifest and ``latest``) is found by its name. Loading reads each file
 once, hashing it as it arrives, cross-checks the progress copy inside ``state.pt`` against the manifest,
 and refuses anything ``torch.load(weights_only=True)`` would not load safely.
+
+Everything read from the store is untrusted (untrusted.py): small files are read bounded and typed, folders
+under ``checkpoints/`` whose names are not checkpoint names are someone else's (left alone, reported once),
+and damage is a fallback to the previous good checkpoint, never an exception that fails every relaunch.
 """
 
 from __future__ import annotations
 
 import builtins
-import json
 import logging
+import numbers
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from checkpointing import pointer, rollbacks
 from checkpointing.fencing import Fence, FencedError
 from checkpointing.hashing import in_background, sha256_hex
-from checkpointing.localfs import NOT_A_FILE
-from checkpointing.manifest import MANIFEST, FileEntry, Manifest, ManifestError, Writer, describe
-from checkpointing.serialization import CheckpointError, UnsafeCheckpointError, safe_load, serialize
+from checkpointing.localfs import NOT_A_FILE, TOO_DEEP
+from checkpointing.manifest import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    Writer,
+    describe,
+    is_valid_name,
+    validate_file_name,
+    validate_name,
+)
+from checkpointing.pointer import POINTER
+from checkpointing.rollbacks import ROLLBACKS, RollBacks
+from checkpointing.serialization import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    safe_load,
+    serialize,
+)
 from checkpointing.storage import RetrySettings, Storage
+from checkpointing.untrusted import (
+    MAX_MANIFEST_BYTES,
+    DamagedFileError,
+    printable,
+)
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
-POINTER = "latest"
 CHECKPOINTS = "checkpoints"
-ROLLBACKS = "rollbacks"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_FILE = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,127}$")
 _SAMPLES_IN_NAME = re.compile(r"-sa(\d+)(?:-g\d+)?$")
 
 __all__ = [
+    "POINTER",
+    "ROLLBACKS",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointStore",
@@ -53,32 +79,13 @@ __all__ = [
     "NotACheckpointError",
     "UnsafeCheckpointError",
     "serialize",
+    "validate_file_name",
+    "validate_name",
 ]
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's files do not match what its manifest vouches for."""
 
 
 class NotACheckpointError(CheckpointError, ValueError):
     """A URI given as a checkpoint names no checkpoint or run."""
-
-
-def validate_name(value: str, option: str = "run_name") -> str:
-    """Names become path segments: reject separators, '..', absolute paths and odd characters."""
-    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
-        raise ValueError(
-            f"{option}={value!r}: use 1-128 letters, digits, '.', '_' or '-', starting "
-            f"with a letter or digit (no '/', '..' or absolute paths)"
-        )
-    return value
-
-
-def validate_file_name(value: str) -> str:
-    """A file of a checkpoint: one path segment; DCP's own names (``.metadata``, ``__0_0.distcp``) included."""
-    if not isinstance(value, str) or not _FILE.match(value) or ".." in value:
-        raise ValueError(f"checkpoint file name {value!r}: use 1-128 letters, digits, '.', '_' or '-' (no '/' or '..')")
-    return value
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,7 @@ class CheckpointStore:
         self.uri = self.storage.url
         self.fence = Fence(self.storage)
         self._in_flight: set[str] = set()
+        self._warned: set[str] = set()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r})"
@@ -134,8 +142,27 @@ class CheckpointStore:
     # -- reading -------------------------------------------------------------------------------
     def list(self) -> builtins.list[CheckpointInfo]:
         """Checkpoints whose manifest exists and parses, oldest first (not yet verified)."""
-        infos = [i for i in map(self.info, self.storage.list_dirs(CHECKPOINTS)) if i is not None]
+        infos = [i for i in map(self.info, self._names()) if i is not None]
         return sorted(infos, key=lambda i: i.manifest.order)
+
+    def _names(self) -> builtins.list[str]:
+        """Folders under ``checkpoints/`` with checkpoint names. Others (a person's ``ep1-ba8-sa256 copy``) are
+        not the store's: left alone (never read, pruned or listed), reported once."""
+        names = []
+        for name in self.storage.list_dirs(CHECKPOINTS):
+            if is_valid_name(name):
+                names.append(name)
+            else:
+                self._warn_once(
+                    f"{self.uri}/{CHECKPOINTS}/{printable(name)[:200]}",
+                    "not a checkpoint name; this folder is not the store's and is left alone",
+                )
+        return names
+
+    def _warn_once(self, where: str, problem: str) -> None:
+        if where not in self._warned:
+            self._warned.add(where)
+            log.warning("%s: %s", where, problem)
 
     def latest(self, deep: bool = False) -> CheckpointInfo | None:
         """The newest checkpoint that verifies.
@@ -165,6 +192,11 @@ class CheckpointStore:
                 problems.append(f"{name}/{fname}: size {size} != {entry.size} in manifest")
             elif deep and self.storage.get_hashed(f"{prefix}/{fname}")[1] != entry.sha256:
                 problems.append(f"{name}/{fname}: sha256 mismatch")
+        problems += [
+            f"{name}/{printable(p)[:300]}: folders nested too deep to walk (damage)"
+            for p, s in found.items()
+            if s == TOO_DEEP
+        ]
         return problems
 
     def load(self, checkpoint: str | CheckpointInfo, files: Iterable[str] | None = None) -> LoadedCheckpoint:
@@ -195,17 +227,13 @@ class CheckpointStore:
         return None
 
     def read_pointer(self) -> dict[str, Any] | None:
+        """``latest`` as {"name", "generation", "manifest_sha256"}, or None when it is missing or damaged (then
+        readers list every checkpoint, and the next writer repairs it: ``repair_pointer``)."""
         try:
-            raw = json.loads(self.storage.get(POINTER))
-            # The name becomes a path: one like '../other-run/...' must not lead the reader out of this run.
-            return {
-                "name": validate_name(str(raw["name"]), "latest name"),
-                "generation": int(raw.get("generation", 0)),
-                "manifest_sha256": str(raw.get("manifest_sha256", "")),
-            }
+            return pointer.read(self.storage)
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except DamagedFileError as exc:
             log.warning("%s/%s is unreadable (%s); listing checkpoints instead", self.uri, POINTER, exc)
             return None
 
@@ -215,22 +243,22 @@ class CheckpointStore:
         ``latest`` is the fast path: only checkpoints whose name says they got further are read besides it
         (a process killed between its manifest and ``latest`` left one); without a usable ``latest``, every
         manifest is read."""
-        names = self.storage.list_dirs(CHECKPOINTS)
-        pointer = self.read_pointer()
-        head = self._pointed(pointer, names) if pointer else None
-        rollbacks = self.rollbacks()
+        names = self._names()
+        latest = self.read_pointer()
+        head = self._pointed(latest, names) if latest else None
+        roll_backs = self._roll_backs(latest, filter(None, [head]))
         first: builtins.list[str] = []
         if head is not None:
             samples = int(head.progress.get("samples_seen", 0))
             first = [head.name, *(n for n in names if _may_be_past(n, head.name, samples))]
             infos = [head, *filter(None, map(self.info, first[1:]))]
-            yield from self._verified(infos, deep, rollbacks)
+            yield from self._verified(infos, deep, roll_backs)
         # Without a usable latest, or when nothing newer than it verifies: every other manifest, newest first.
-        yield from self._verified(filter(None, map(self.info, (n for n in names if n not in first))), deep, rollbacks)
+        yield from self._verified(filter(None, map(self.info, (n for n in names if n not in first))), deep, roll_backs)
 
-    def _verified(self, infos: Iterable[CheckpointInfo], deep: bool, rollbacks: builtins.list[dict[str, Any]]):
+    def _verified(self, infos: Iterable[CheckpointInfo], deep: bool, roll_backs: RollBacks) -> Iterator[CheckpointInfo]:
         for info in sorted(infos, key=lambda i: i.manifest.order, reverse=True):
-            if _rolled_back(info, rollbacks):
+            if roll_backs.sets_aside(info.manifest):
                 continue
             problems = self.check(info, deep)
             if problems:
@@ -238,18 +266,32 @@ class CheckpointStore:
                 continue
             yield info
 
-    def _pointed(self, pointer: dict[str, Any], names: builtins.list[str]) -> CheckpointInfo | None:
+    def _pointed(self, latest: dict[str, Any], names: builtins.list[str]) -> CheckpointInfo | None:
         """The checkpoint ``latest`` names, if its manifest is readable and the one ``latest`` vouches for."""
-        name = pointer["name"]
+        name = latest["name"]
         info = self.info(name) if name in names else None
         if info is None:
             problem = f"which has no readable {MANIFEST}" if name in names else "which does not exist"
-        elif pointer["manifest_sha256"] and info.manifest_sha256 != pointer["manifest_sha256"]:
+        elif latest["manifest_sha256"] and info.manifest_sha256 != latest["manifest_sha256"]:
             problem = "whose manifest is not the one latest vouches for"
         else:
             return info
         log.warning("latest names %s, %s; looking for the newest good checkpoint", name, problem)
         return None
+
+    def _roll_backs(self, latest: dict[str, Any] | None, infos: Iterable[CheckpointInfo] = ()) -> RollBacks:
+        """The run's roll-backs: its trusted records, and ``latest`` as a witness of the last one (rollbacks.py).
+        The checkpoint ``latest`` names is looked up among ``infos`` (already read), else read."""
+        head = None
+        if latest is not None:
+            named = [i for i in infos if i.name == latest["name"]] or list(filter(None, [self.info(latest["name"])]))
+            head = next((i for i in named if latest["manifest_sha256"] in ("", i.manifest_sha256)), None)
+        witness = rollbacks.witness(latest["generation"], head.name, head.manifest) if latest and head else None
+        return rollbacks.read_all(self.storage, self._manifest_of, witness, self._warn_once)
+
+    def _manifest_of(self, name: str) -> Manifest | None:
+        info = self.info(name)
+        return info.manifest if info is not None else None
 
     # -- writing -------------------------------------------------------------------------------
     def save(
@@ -343,12 +385,18 @@ class CheckpointStore:
             name=name, files=dict(entries), progress=dict(progress), metadata=dict(metadata or {}), writer=writer
         )
         body = manifest.to_json()
+        try:  # what every reader will check: a run never commits a manifest it could not read back
+            Manifest.from_json(body)
+        except ManifestError as exc:
+            raise CheckpointError(
+                f"checkpoint {name}: readers would refuse its manifest ({exc}); it was not committed (fewer files "
+                f"per checkpoint, or flatter recipe_args and metadata)"
+            ) from exc
         prefix = self._key(name)
         self.storage.put(f"{prefix}/{MANIFEST}", body)
         info = CheckpointInfo(name, self.storage.uri(prefix), manifest, sha256_hex(body))
         self.check_fence(writer)
-        pointer = {"name": name, "generation": writer.generation, "manifest_sha256": info.manifest_sha256}
-        self.storage.put(POINTER, json.dumps(pointer).encode())
+        pointer.write(self.storage, name, writer.generation, info.manifest_sha256)
         return info
 
     def name_for(self, progress: dict[str, int], generation: int) -> str:
@@ -369,10 +417,12 @@ class CheckpointStore:
         (Ray's ``num_to_keep`` with a score; Lightning's ``save_top_k`` plus ``last``), never one for the other."""
         if keep < 0:
             return []
-        pointer = self.read_pointer()
-        protected = set(self._in_flight) | ({pointer["name"]} if pointer else set())
-        rollbacks = self.rollbacks()
-        ranked = [i for i in reversed(self.list()) if not _rolled_back(i, rollbacks)]  # newest first
+        latest, infos = self.read_pointer(), self.list()
+        roll_backs = self._roll_backs(latest, infos)
+        protected = set(self._in_flight) | ({latest["name"]} if latest else set())
+        # Deleting is for good: while a damaged roll-back record is there, what it may have set aside stays.
+        protected |= {i.name for i in infos if roll_backs.may_have_set_aside(i.manifest)}
+        ranked = [i for i in reversed(infos) if not roll_backs.sets_aside(i.manifest)]  # newest first
         if score_attribute:
             best = sorted(ranked, key=lambda i: _score(i, score_attribute, score_order))[:keep]  # stable: ties newest
             kept = {i.name for i in best} | protected | {i.name for i in ranked[:1]}
@@ -398,27 +448,22 @@ class CheckpointStore:
     # -- best, roll-back, fencing ---------------------------------------------------------------
     def best(self, attribute: str, order: str = "max") -> builtins.list[CheckpointInfo]:
         """Checkpoints that report ``attribute`` in their metrics, best first (ties: newest first)."""
-        rollbacks = self.rollbacks()
-        scored = [i for i in reversed(self.list()) if attribute in i.metrics and not _rolled_back(i, rollbacks)]
+        infos = self.list()
+        roll_backs = self._roll_backs(self.read_pointer(), infos)
+        scored = [i for i in reversed(infos) if attribute in i.metrics and not roll_backs.sets_aside(i.manifest)]
         return sorted(scored, key=lambda i: _score(i, attribute, order))
 
     def rollbacks(self) -> builtins.list[dict[str, Any]]:
-        found = []
-        for fname in self.storage.sizes(ROLLBACKS) if self.storage.exists(ROLLBACKS) else {}:
-            try:
-                raw = json.loads(self.storage.get(f"{ROLLBACKS}/{fname}"))
-                found.append({"generation": int(raw["generation"]), "to": str(raw["to"]), "order": raw["order"]})
-            except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
-                log.warning("%s/%s/%s is unreadable (%s); ignoring it", self.uri, ROLLBACKS, fname, exc)
-        return found
+        """The run's roll-backs, oldest first, as {"generation", "to", "order"}: its trusted records, and ``latest``
+        while it is the pointer a roll-back left (rollbacks.py). Damaged records are reported and left out."""
+        return [rb.as_dict() for rb in self._roll_backs(self.read_pointer(), []).records]
 
     def set_aside(self, infos: Iterable[CheckpointInfo] | None = None) -> builtins.list[str]:
         """Names of the checkpoints that roll-backs set aside (kept, never candidates), in the order of ``infos``
         (default: ``list()``, oldest first)."""
-        rollbacks = self.rollbacks()
-        if not rollbacks:
-            return []
-        return [i.name for i in (self.list() if infos is None else infos) if _rolled_back(i, rollbacks)]
+        infos = self.list() if infos is None else builtins.list(infos)
+        roll_backs = self._roll_backs(self.read_pointer(), infos)
+        return [i.name for i in infos if roll_backs.sets_aside(i.manifest)]
 
     def roll_back(self, to: str, writer: Writer) -> builtins.list[str]:
         """Makes checkpoint ``to`` the run's newest: checkpoints of older writers that got further stop being
@@ -436,17 +481,40 @@ class CheckpointStore:
             )
         self.check_fence(writer)
         later = [i.name for i in self.list() if i.manifest.order > info.manifest.order]
-        record = {"generation": writer.generation, "to": to, "order": list(info.manifest.order), "set_aside": later}
-        self.storage.put(f"{ROLLBACKS}/{writer.generation:012d}.json", json.dumps(record, indent=1).encode())
-        pointer = {"name": to, "generation": writer.generation, "manifest_sha256": info.manifest_sha256}
-        self.storage.put(POINTER, json.dumps(pointer).encode())
+        self.storage.put(*rollbacks.record(writer.generation, to, info.manifest.order, later))
+        pointer.write(self.storage, to, writer.generation, info.manifest_sha256)
         return later
 
     def claim_generation(self, label: str = "", owner: str = "", handover_seconds: float = 0.0) -> int:
         """Claims a writer generation higher than any claimed before (see fencing.py); with ``handover_seconds``, a
-        live previous holder is first asked to commit where it stands and stop."""
+        live previous holder is first asked to commit where it stands and stop. First it repairs ``latest`` if it
+        is damaged (``repair_pointer``): every flow start and torchrun unit claims, so the first writer of a
+        relaunch repairs what a kill left, and the repaired pointer's generation is the claim's floor again."""
+        self.repair_pointer()
         floor = (self.read_pointer() or {}).get("generation", 0)
         return self.fence.claim(floor=floor, label=label, owner=owner, handover_seconds=handover_seconds)
+
+    def repair_pointer(self) -> str | None:
+        """Rewrites ``latest`` when it is there but unreadable (empty after a kill mid-write, torn, altered) or
+        names no checkpoint whose manifest it vouches for, and a checkpoint verifies: ``latest`` then names
+        the newest one, with that checkpoint's writer generation (as its commit would have). Readers never
+        write: they list every checkpoint meanwhile. ``claim_generation`` calls it; returns the name written."""
+        try:
+            latest: dict[str, Any] | None = pointer.read(self.storage)
+        except FileNotFoundError:
+            return None  # a new run, or one whose latest was never written: nothing to repair
+        except DamagedFileError:
+            latest = None
+        if latest is not None and self._pointed(latest, self._names()) is not None:
+            return None
+        newest = self.latest()
+        if newest is None:
+            return None
+        log.warning(
+            "%s/%s: rewriting it to name %s, the newest checkpoint that verifies", self.uri, POINTER, newest.name
+        )
+        pointer.write(self.storage, newest.name, newest.manifest.writer.generation, newest.manifest_sha256)
+        return newest.name
 
     def check_fence(self, writer: Writer) -> None:
         self.fence.check(writer, (self.read_pointer() or {}).get("generation", 0))
@@ -458,7 +526,7 @@ class CheckpointStore:
     def info(self, name: str) -> CheckpointInfo | None:
         """The checkpoint as its manifest describes it (not verified), or None without a readable manifest."""
         try:
-            body = self.storage.get(f"{self._key(name)}/{MANIFEST}")
+            body = self.storage.get(f"{self._key(name)}/{MANIFEST}", max_bytes=MAX_MANIFEST_BYTES)
             manifest = Manifest.from_json(body)
         except FileNotFoundError:
             return None
@@ -479,7 +547,7 @@ def read_vouched(storage: Storage, key: str, entry: FileEntry) -> bytes:
     """Reads ``key`` once, hashing as it arrives; CorruptCheckpointError unless size and sha256 match ``entry``.
     A local link or special file reads as missing."""
     try:
-        data, digest = storage.get_hashed(key)
+        data, digest = storage.get_hashed(key, max_bytes=entry.size)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{storage.uri(key)}: missing ({exc})") from exc
     if len(data) != entry.size or digest != entry.sha256:
@@ -499,25 +567,22 @@ def _may_be_past(name: str, head: str, head_samples: int) -> bool:
     return m is None or int(m.group(1)) > head_samples
 
 
-def _rolled_back(info: CheckpointInfo, rollbacks: list[dict[str, Any]]) -> bool:
-    """Set aside by a roll-back: written by an older generation than the roll-back, and got further than its target."""
-    return any(
-        info.manifest.writer.generation < rb["generation"] and list(info.manifest.order) > list(rb["order"])
-        for rb in rollbacks
-    )
-
-
 def _cross_check_progress(info: CheckpointInfo, state: Any) -> None:
     """``state.pt`` carries its own copy of the progress counters: it must agree with the manifest."""
     copy = state.get("progress") if isinstance(state, dict) else None
     if not isinstance(copy, dict):
         return
-    differing = sorted(k for k in set(copy) & set(info.progress) if int(copy[k]) != int(info.progress[k]))
+    differing = sorted(k for k in info.progress if k in copy and not _same_count(copy[k], info.progress[k]))
     if differing:
+        theirs = ", ".join(f"{k}={printable(copy[k])[:40]}" for k in differing)  # from the file: escaped, cut short
         raise CorruptCheckpointError(
             f"{info.uri}: the manifest's progress ({', '.join(f'{k}={info.progress[k]}' for k in differing)}) "
-            f"disagrees with the copy inside {STATE_FILE} ({', '.join(f'{k}={copy[k]}' for k in differing)})"
+            f"disagrees with the copy inside {STATE_FILE} ({theirs})"
         )
+
+
+def _same_count(value: Any, expected: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) == expected
 
 
 def _score(info: CheckpointInfo, attribute: str, order: str) -> tuple[int, float]:

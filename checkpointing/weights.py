@@ -29,6 +29,7 @@ import torch
 
 from checkpointing.manifest import MANIFEST
 from checkpointing.protocols import is_local_fs, open_url
+from checkpointing.serialization import check_unpacked_size
 from checkpointing.store import CheckpointError, UnsafeCheckpointError
 
 WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
@@ -291,6 +292,7 @@ def _safetensors_metadata(data: bytes) -> dict[str, Any]:
 
 
 def _torch_load(data: bytes, where: str) -> Any:
+    check_unpacked_size(data, where)  # a compressed zip entry would unpack to far more than the size bound allows
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
