@@ -4,9 +4,10 @@ Proves what the product promises for deployments: prefect.yaml's nightly schedul
 automations install idempotently; `prefect deployment run` completes with checkpoints and artifacts; a
 flow-run process killed mid-unit comes back as the same flow run and resumes from its last checkpoint; a
 run that keeps dying stops at max_restarts as Failed; scheduled retraining warm-starts from the released
-model and promotes only models that are not worse; and a whole dead machine (worker and run, nobody left
-to report) is noticed by its missing heartbeats and restarted on another worker. One server and worker
-serve the module (tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
+model and promotes only models that are not worse, gives two ticks in one minute runs of their own, and
+resumes a killed tick under its own name; and a whole dead machine (worker and run, nobody left to report)
+is noticed by its missing heartbeats and restarted on another worker. One server and worker serve the module
+(tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
 """
 
 from __future__ import annotations
@@ -178,22 +179,46 @@ def test_retraining_warm_starts_from_the_release_and_promotes_only_models_not_wo
         run_id = start_run(prefect_stack, "retrain/nightly", {"config": config, "run_prefix": "tick"}, scheduled)
         wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
         logs = logs_containing(prefect_stack, run_id, "unit 0 (attempt 1): starting from", "retrain decision:")
-        return {"logs": logs, "release": json.loads(release.read_text())}
+        return {"logs": logs, "release": json.loads(release.read_text()), "id": str(run_id)}
 
     first = tick(1)
-    assert first["release"]["run_name"] == "tick-20260101T0300"  # named after the scheduled time
+    # named after the scheduled time and its own flow run
+    assert first["release"]["run_name"] == f"tick-20260101T0300-{first['id'][:8]}"
     assert "starting from fresh initialization" in first["logs"]
 
-    second = tick(2)
+    second = tick(1)  # another tick in the same minute (two manual runs): a run of its own, from the first's model
+    assert second["release"]["run_name"] == f"tick-20260101T0300-{second['id'][:8]}" != first["release"]["run_name"]
     assert f"starting from weights of {first['release']['checkpoint']} (load_path)" in second["logs"]
-    assert second["release"]["run_name"] == "tick-20260102T0300"
     assert second["release"]["value"] >= first["release"]["value"]
 
     before = release.read_bytes()
     third = tick(3, lr=1.0)  # a learning rate that wrecks the model
     assert f"starting from weights of {second['release']['checkpoint']} (load_path)" in third["logs"]
-    assert "kept the release tick-20260102T0300" in third["logs"]
+    assert f"kept the release {second['release']['run_name']}" in third["logs"]
     assert release.read_bytes() == before
+
+
+def test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_checkpoints(prefect_stack, tmp_path):
+    folder, markers = tmp_path / "runs", tmp_path / "markers"
+    config = {k: v for k, v in pause_config(folder, "unused", markers).items() if k != "run_name"}  # the tick names it
+    scheduled = datetime(2026, 2, 1, 3, 0, tzinfo=UTC)
+    run_id = start_run(prefect_stack, "retrain/nightly", {"config": config, "run_prefix": "tick"}, scheduled)
+    wait_for(lambda: (markers / "paused").exists(), 240, "the tick to reach unit 1")
+    name = f"tick-20260201T0300-{str(run_id)[:8]}"
+    assert list(checkpoints(folder, name)) == ["ep1-ba8-sa256"]
+
+    victim = flow_run_process(prefect_stack.worker.pid, run_id)
+    os.kill(victim, signal.SIGKILL)
+
+    run = wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
+    assert run.run_count >= 2 and "AwaitingRestart" in state_names(prefect_stack, run_id)
+    # the restarted tick kept its name: one run folder, whose ep1 the killed process wrote and the rest the new one
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [name]
+    saved = checkpoints(folder, name)
+    assert sorted(saved) == ["ep1-ba8-sa256", "ep2-ba16-sa512", "ep3-ba24-sa768"]
+    assert saved["ep1-ba8-sa256"].manifest.writer.pid == victim != saved["ep2-ba16-sa512"].manifest.writer.pid
+    assert json.loads((folder / "release.json").read_text())["run_name"] == name
+    logs_containing(prefect_stack, run_id, "unit 1 (attempt 1): starting from checkpoint ep1-ba8-sa256 at epoch 1")
 
 
 def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another_worker(prefect_stack, tmp_path):
