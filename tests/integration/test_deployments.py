@@ -21,7 +21,7 @@ import pytest
 from prefect.client.schemas.objects import StateType
 
 from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, RESTART_CRASHED
-from deployments.stack import install_automations
+from deployments.stack import install_automations, worker_threads
 from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 from tests.integration.stack_client import (
     SYNTHETIC,
@@ -124,6 +124,8 @@ def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefec
 
     victim = flow_run_process(prefect_stack.worker.pid, run_id)
     assert victim == paused_pid  # the worker's child for this run is the process that trains it
+    # it trains with the worker's thread count (torch's default, one per core, collapses next to the server)
+    assert int((markers / "threads").read_text()) == worker_threads()
     assert list(checkpoints(folder, "killed")) == ["ep1-ba8-sa256"]
     os.kill(victim, signal.SIGKILL)
 
