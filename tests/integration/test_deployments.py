@@ -16,6 +16,7 @@ import json
 import os
 import signal
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from prefect.client.schemas.objects import StateType
@@ -126,6 +127,8 @@ def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefec
     assert victim == paused_pid  # the worker's child for this run is the process that trains it
     # it trains with the worker's thread count (torch's default, one per core, collapses next to the server)
     assert int((markers / "threads").read_text()) == worker_threads()
+    # and it was not given the server's database settings (its password, on PostgreSQL)
+    assert b"PREFECT_SERVER_DATABASE" not in Path(f"/proc/{victim}/environ").read_bytes()
     assert list(checkpoints(folder, "killed")) == ["ep1-ba8-sa256"]
     os.kill(victim, signal.SIGKILL)
 
