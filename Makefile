@@ -56,13 +56,18 @@ bench: install
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# -- A local Prefect stack: server (SQLite in ./.prefect), work pool, deployments, automations, worker ------
-# `make stack` brings up all of it in one terminal (UI at http://127.0.0.1:4200; Ctrl-C stops it all).
-# Or one terminal each: `make server`, then `make deploy` and `make worker`. PREFECT_PORT picks another port.
+# -- A local Prefect stack: server, work pool, deployments, automations, worker (deployments/stack.py) ----------
+# `make stack` brings up all of it in one terminal and prints where the UI is (http://127.0.0.1:4200; Ctrl-C
+# stops it all). Or one terminal each: `make server`, then `make deploy` and `make worker`.
+# DB=sqlite (default: $PREFECT_HOME/prefect.db, no set-up) or DB=postgres (a PostgreSQL server the stack creates
+# in ./.prefect/postgres, starts and stops itself; STACK_POSTGRES_PORT, STACK_POSTGRES_DIR, STACK_POSTGRES_BIN).
+# A PostgreSQL of yours: PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://user:pass@host:5432/db make stack
+# PREFECT_PORT picks another port. See docs/deployments-postgres.md.
 # From another shell:  export PREFECT_HOME=$PWD/.prefect PREFECT_API_URL=http://127.0.0.1:4200/api
 .PHONY: stack server deploy worker test-deployments test-ui
 PREFECT_PORT ?= 4200
-STACK := PREFECT_PORT=$(PREFECT_PORT) $(PY) -m deployments.stack
+DB ?=
+STACK := PREFECT_PORT=$(PREFECT_PORT) $(PY) -m deployments.stack $(if $(DB),--database $(DB))
 
 stack: install
 	$(STACK) up
@@ -76,9 +81,11 @@ deploy: install
 worker: install
 	$(STACK) worker
 
-# The end-to-end deployment tests alone (real server, worker and signals; about 3-4 minutes).
+# The end-to-end deployment tests alone (real server, worker and signals; about 3-4 minutes), on SQLite, or on
+# PostgreSQL with DB=postgres. `make test` runs the whole module on one and its crash-restart tests on the other
+# (tests/integration/test_deployments_postgres.py).
 test-deployments: install
-	$(PY) -m pytest -q tests/integration/test_deployments.py
+	TEST_STACK_DATABASE=$(or $(DB),sqlite) $(PY) -m pytest -q --durations=0 tests/integration/test_deployments.py
 
 # The Prefect UI read by headless Chromium: a crash-restarted run's artifacts and hostile names (~2 minutes).
 # UPDATE_UI_SCREENSHOTS=1 make test-ui also refreshes the screenshots in docs/ that the README shows.

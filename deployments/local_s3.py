@@ -1,17 +1,20 @@
 """A local S3 endpoint (moto's server) on 127.0.0.1: ``make s3`` for trying the product against s3:// by
 hand, and the one way the tests (tests/conftest.py) and the benchmarks (bench/common.py) start theirs.
 
-    make s3        # then, in another terminal, the lines it prints
+    make s3                                       # then, in another terminal, the lines it prints
+    LOCAL_S3_PORT=5556 python -m deployments.local_s3   # another port than 5555 (or --port 5556)
 
 It runs in the foreground with a bucket ``runs``; Ctrl-C stops it, and everything in it (it is in memory)
 goes with it. s3fs (through botocore) honours AWS_ENDPOINT_URL, so the printed environment is all a
 client needs; TRAIN_STORAGE_OPTIONS='{"client_kwargs": {"endpoint_url": ...}}' does the same per run.
-LOCAL_S3_PORT picks another port than 5555. moto and s3fs (the test extra) are imported only when a server
-starts or a bucket is made.
+
+Environment: LOCAL_S3_PORT, the port on 127.0.0.1 (default 5555). moto and s3fs (the test extra) are imported
+only when a server starts or a bucket is made, so ``--help`` answers at once and starts nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -22,8 +25,6 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-from flows.server import free_port
 
 PORT = int(os.environ.get("LOCAL_S3_PORT", "5555"))
 BUCKET = "runs"
@@ -82,6 +83,8 @@ def serving(port: int | None = None) -> Iterator[LocalS3]:
     """moto's ThreadedMotoServer on 127.0.0.1:``port`` (a free one by default) in this process's threads."""
     from moto.server import ThreadedMotoServer
 
+    from flows.server import free_port  # imports torch: only when a server starts
+
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no log line per request
     port = port or free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -115,12 +118,20 @@ def usage(endpoint: str) -> str:
     )
 
 
-def main() -> int:
-    if not port_is_free(PORT):
-        print(f"error: 127.0.0.1:{PORT} is in use (another `make s3`?); stop it or set LOCAL_S3_PORT", file=sys.stderr)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.local_s3",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--port", type=int, default=PORT, help="port on 127.0.0.1 (default: $LOCAL_S3_PORT, else 5555)")
+    port = parser.parse_args(argv).port
+    if not port_is_free(port):
+        print(f"error: 127.0.0.1:{port} is in use (another `make s3`?); stop it or set LOCAL_S3_PORT", file=sys.stderr)
         return 1
     os.environ.update(fake_aws_env())
-    with serving(PORT) as s3:
+    with serving(port) as s3:
         s3.make_bucket(BUCKET)
         print(usage(s3.endpoint), flush=True)
         signal.sigwait({signal.SIGINT, signal.SIGTERM})  # Ctrl-C, or a kill, ends the foreground process

@@ -1,9 +1,18 @@
-"""A local Prefect stack for the training deployments: server (SQLite), work pool, deployments, automations, worker.
+"""A local Prefect stack for the training deployments: server, work pool, deployments, automations, worker.
 
 People use it through make (state in ./.prefect, the UI at http://127.0.0.1:4200):
 
-    make stack      # all of it; Ctrl-C stops the worker and the server
+    make stack                  # all of it, on SQLite; Ctrl-C stops the worker and the server
+    make stack DB=postgres      # the same on a PostgreSQL server of its own (deployments/postgres.py)
     make server / make deploy / make worker      # the same pieces, one terminal each
+
+The server's database: SQLite at $PREFECT_HOME/prefect.db (no set-up; the default), a PostgreSQL cluster that
+the stack creates, starts and stops itself in ./.prefect/postgres (STACK_DATABASE=postgres, or --database),
+or a PostgreSQL server of yours (PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://...). Only the
+server's process is given the database URL; it is printed with its password hidden.
+
+A worker started here gives its flow runs OMP_NUM_THREADS (one less than this machine's cores, unless set):
+torch's default, one OpenMP thread per core, collapses when the server and worker share those cores.
 
 The end-to-end tests start the same pieces with a temporary PREFECT_HOME and a free port. Every
 process is started in its own session so that stopping it can take its whole process tree down.
@@ -22,9 +31,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deployments import postgres
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"
 POOL = "local-process"
+DATABASES = ("sqlite", "postgres")
+CONNECTION_URL = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+# Settings that reach the database: only the server's process gets them, never a worker or a flow run.
+DATABASE_SETTINGS = ("PREFECT_SERVER_DATABASE_", "PREFECT_API_DATABASE_")
 
 
 @dataclass
@@ -34,13 +49,18 @@ class Stack:
     home: Path
     port: int = 4200
     extra_env: dict[str, str] = field(default_factory=dict)
+    database_url: str | None = None  # None: SQLite at $PREFECT_HOME/prefect.db. A secret: see postgres.redact
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(DATABASE_SETTINGS)}
         env.update(
             PREFECT_HOME=str(self.home),
             PREFECT_API_URL=self.api_url,
@@ -50,6 +70,15 @@ class Stack:
         env.update(self.extra_env)
         env.update(extra)
         return env
+
+    def server_env(self) -> dict[str, str]:
+        """``env()`` and, for the server alone, its database."""
+        return self.env(**({CONNECTION_URL: self.database_url} if self.database_url else {}))
+
+    def describe_database(self) -> str:
+        if not self.database_url:
+            return f"SQLite at {self.home / 'prefect.db'}"
+        return f"PostgreSQL {postgres.redact(self.database_url)}"
 
     def prefect(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         """Runs ``prefect <args>`` against this stack; raises with its output if it fails."""
@@ -67,11 +96,11 @@ class Stack:
 
 
 def start_server(stack: Stack, log: Path | None = None) -> subprocess.Popen:
-    """``prefect server start`` on 127.0.0.1:<port>, SQLite at $PREFECT_HOME/prefect.db."""
+    """``prefect server start`` on 127.0.0.1:<port>, on the stack's database."""
     stack.home.mkdir(parents=True, exist_ok=True)
     return _spawn(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(stack.port)],
-        stack.env(),
+        stack.server_env(),
         log,
     )
 
@@ -125,10 +154,40 @@ def install_automations(stack: Stack, *extra_args: str) -> str:
 
 
 def start_worker(stack: Stack, log: Path | None = None, pool: str = POOL, **env: str) -> subprocess.Popen:
-    """``prefect worker start`` for the process pool; flow runs start in TRAINING_PROJECT_DIR (the project)."""
+    """``prefect worker start`` for the process pool; flow runs start in TRAINING_PROJECT_DIR (the project), with
+    ``worker_threads()`` OpenMP threads."""
+    env = {"OMP_NUM_THREADS": str(worker_threads()), **env}
     return _spawn(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"], stack.env(**env), log
     )
+
+
+def worker_threads() -> int:
+    """OMP_NUM_THREADS for the worker's flow runs: this environment's, else one less than the usable cores.
+
+    torch starts one OpenMP thread per core; on a machine that also runs the server and the worker, its threads
+    wait for each other at every operation (measured on 2 cores: 2 threads 283-32,000 samples/s, 1 thread
+    31,000-54,000)."""
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def ui_answers(stack: Stack) -> bool:
+    """Whether the server at the stack's port serves Prefect's UI (a temporary server, or PREFECT_UI_ENABLED=false,
+    has none)."""
+    try:
+        with urllib.request.urlopen(stack.ui_url, timeout=5) as response:
+            return response.status == 200 and "html" in response.headers.get("content-type", "")
+    except OSError:
+        return False
+
+
+def where_the_ui_is(stack: Stack) -> str:
+    if ui_answers(stack):
+        return f"Prefect UI: {stack.ui_url}"
+    return f"no Prefect UI answers at {stack.ui_url}: start the server with `make server` (or `make stack`)"
 
 
 def descendants(pid: int) -> list[int]:
@@ -171,38 +230,94 @@ def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subproc
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deployments.stack", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "server", "deploy", "worker"])
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", "4200")))
-    parser.add_argument("--home", type=Path, default=ROOT / ".prefect")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     stack = Stack(home=args.home.resolve(), port=args.port)
     if args.command == "deploy":
         _deploy_all(stack)
+        print(where_the_ui_is(stack))
         return 0
-    procs: list[subprocess.Popen] = []
+    procs: list[tuple[str, subprocess.Popen]] = []
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as cleanly as Ctrl-C
     try:
         if args.command in ("up", "server"):
-            procs.append(start_server(stack))
-            wait_healthy(stack, procs[-1])
-            print(f"Prefect server: UI at http://127.0.0.1:{stack.port}, API {stack.api_url}, state in {stack.home}")
+            stack.database_url = _database(args, procs)
+            procs.append(("server", start_server(stack)))
+            wait_healthy(stack, procs[-1][1])
+            print(f"Prefect server: API {stack.api_url}, state in {stack.home}, database {stack.describe_database()}")
         if args.command == "up":
             _deploy_all(stack)
         if args.command in ("up", "worker"):
-            procs.append(start_worker(stack))
+            procs.append(("worker", start_worker(stack)))
+            print(f"worker on pool {POOL}; its flow runs get OMP_NUM_THREADS={worker_threads()}")
         print(f"Use it from another shell:  export PREFECT_HOME={stack.home} PREFECT_API_URL={stack.api_url}")
-        print("Ctrl-C stops " + " and ".join(str(p.args[3]) for p in procs))  # type: ignore[index]
-        while all(p.poll() is None for p in procs):
+        print(where_the_ui_is(stack))
+        print("Ctrl-C stops " + " and ".join(name for name, _ in procs))
+        while all(p.poll() is None for _, p in procs):
             time.sleep(1)
-        return max(p.returncode or 0 for p in procs)
+        return max(p.returncode or 0 for _, p in procs)
     except KeyboardInterrupt:
         return 0
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave an orphan behind
             signal.signal(sig, signal.SIG_IGN)
-        for proc in reversed(procs):
-            stop(proc)
+        for name, proc in reversed(procs):
+            stop(proc, signal.SIGINT if name == "postgres" else signal.SIGTERM)  # SIGINT: PostgreSQL's fast shutdown
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.stack",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=["up", "server", "deploy", "worker"])
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", "4200")))
+    parser.add_argument("--home", type=Path, default=ROOT / ".prefect")
+    parser.add_argument(
+        "--database",
+        choices=DATABASES,
+        default=os.environ.get("STACK_DATABASE") or "sqlite",
+        help=f"the server's database when {CONNECTION_URL} is not set (default: $STACK_DATABASE, else sqlite)",
+    )
+    parser.add_argument(
+        "--postgres-dir",
+        type=Path,
+        default=Path(os.environ.get("STACK_POSTGRES_DIR") or ROOT / ".prefect" / "postgres"),
+        help="with --database postgres: the cluster's folder (default: $STACK_POSTGRES_DIR, else .prefect/postgres)",
+    )
+    parser.add_argument(
+        "--postgres-port",
+        type=int,
+        default=int(os.environ.get("STACK_POSTGRES_PORT") or 0),
+        help="with --database postgres: its port on 127.0.0.1 (default: $STACK_POSTGRES_PORT, else a free one)",
+    )
+    return parser
+
+
+def _database(args: argparse.Namespace, procs: list[tuple[str, subprocess.Popen]]) -> str | None:
+    """The server's database URL: the configured one, a PostgreSQL server started here (added to ``procs``), or
+    None for SQLite."""
+    configured = os.environ.get(CONNECTION_URL)
+    if configured:
+        if args.database == "postgres":
+            raise SystemExit(f"error: --database postgres starts a server of the stack's own, but {CONNECTION_URL} "
+                             f"names one ({postgres.redact(configured)}): unset one of them")  # fmt: skip
+        return configured
+    if args.database == "sqlite":
+        return None
+    from flows.server import free_port
+
+    requested = args.postgres_dir.resolve()
+    user = postgres.os_user()
+    folder = postgres.cluster_folder(requested, user)
+    if folder != requested and user is not None:
+        print(f"PostgreSQL runs as {user.pw_name}, which cannot reach {requested}: cluster in {folder}")
+    server = postgres.LocalPostgres(folder, args.postgres_port or free_port())
+    procs.append(("postgres", server.start(log=folder / "postgres.log")))
+    server.wait_ready(procs[-1][1])
+    print(f"PostgreSQL on 127.0.0.1:{server.port}, cluster in {folder}, log {folder / 'postgres.log'}")
+    return server.url
 
 
 def _interrupt(signum, frame) -> None:

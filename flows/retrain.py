@@ -1,10 +1,11 @@
 """Scheduled retraining: warm-start from the released model, train, evaluate, promote only if not worse.
 
-One run per schedule tick. Its run name comes from the tick's scheduled time (``retrain-20261122T0300``),
-which Prefect keeps when it reschedules a crashed run, so a restarted tick resumes its own checkpoints
-instead of starting over. The released model is named by a small pointer object next to the runs,
+One run per schedule tick. Its run name is the tick's scheduled time and the start of its flow-run id
+(``retrain-20261122T0300-1f0c2a9e``): two ticks in one minute (two manual runs) are two runs, and a crashed tick
+that Prefect reschedules keeps both (the same flow-run id and expected start time), so it resumes its own
+checkpoints instead of starting over. The released model is named by a small pointer object next to the runs,
 ``<save_folder>/release.json`` (checkpointing/release.py: read as untrusted, retried like every store call):
-a tick warm-starts from it and rewrites it only when the new model is at least as good.
+a tick warm-starts from it, never from its own run, and rewrites it only when the new model is at least as good.
 
     python -m flows.retrain --save_folder s3://bucket/runs --metric accuracy   # and any flag of flows.train
 """
@@ -41,7 +42,9 @@ class RetrainOptions(BaseModel):
 
     metric: str = Field("accuracy", description="The evaluation metric that decides the promotion.")
     higher_is_better: bool = Field(True, description="Whether a higher metric is better (false: lower, e.g. loss).")
-    run_prefix: str = Field("retrain", description="A tick's run is named <run_prefix>-<scheduled time, UTC>.")
+    run_prefix: str = Field(
+        "retrain", description="A tick's run is named <run_prefix>-<scheduled time, UTC>-<flow-run id, 8 digits>."
+    )
 
 
 DEFAULTS = RetrainOptions()
@@ -65,9 +68,20 @@ def release_file(config: TrainConfig) -> ReleaseFile:
 
 
 def tick_run_name(prefix: str) -> str:
-    """``<prefix>-<scheduled start, UTC, to the minute>``: the same for every restart of one tick."""
+    """``<prefix>-<scheduled start, UTC, to the minute>-<flow-run id, 8 hex digits>``: one per tick, even for two
+    ticks in one minute, and the same for every restart of one tick."""
     scheduled = flow_run.scheduled_start_time.astimezone(UTC)
-    return validate_name(f"{prefix}-{scheduled:%Y%m%dT%H%M}", "run_prefix")
+    return validate_name(f"{prefix}-{scheduled:%Y%m%dT%H%M}-{str(flow_run.id)[:8]}", "run_prefix")
+
+
+def warm_start(config: TrainConfig, run_name: str, release: Release | None) -> dict[str, Any]:
+    """The config updates of a tick: its run name, and the release's weights unless the release is this tick's
+    own model (promoted before a crash: the restarted tick resumes its run, it does not start from itself)."""
+    updates: dict[str, Any] = {"run_name": run_name}
+    own_run = f"{config.save_folder.rstrip('/')}/{run_name}/"
+    if release is not None and release.run_name != run_name and not release.checkpoint.startswith(own_run):
+        updates.update(load_path=release.checkpoint, load_weights_only=True)
+    return updates
 
 
 def is_not_worse(new: float, old: float, higher_is_better: bool) -> bool:
@@ -86,9 +100,8 @@ def retrain(
     refuse_storage_options_from_parameters()
     run_name = tick_run_name(run_prefix)
     release = release_file(config).read()
-    updates: dict[str, Any] = {"run_name": run_name}
-    if release is not None:
-        updates.update(load_path=release.checkpoint, load_weights_only=True)
+    updates = warm_start(config, run_name, release)
+    if release is not None and "load_path" in updates:
         logger.info(
             "tick %s warm-starts from the release %s (%s %s=%.4f)",
             run_name,
@@ -97,6 +110,8 @@ def retrain(
             release.metric,
             release.value,
         )
+    elif release is not None:
+        logger.info("tick %s: the release is this tick's own model; resuming its run, not starting from it", run_name)
     else:
         logger.info("tick %s: no release in %s yet; training from scratch", run_name, config.save_folder)
     result = train(config.model_copy(update=updates))

@@ -1,17 +1,25 @@
-"""A real Prefect stack for the deployment tests: `prefect server` (SQLite in a temp PREFECT_HOME), the
-project's work pool, deployments (deployments/prefect.yaml, through `prefect deploy`), automations and a
-process worker. One per test module; every process it started is gone when the module ends.
+"""A real Prefect stack for the deployment tests: `prefect server`, the project's work pool, deployments
+(deployments/prefect.yaml, through `prefect deploy`), automations and a process worker. One per test module;
+every process it started is gone when the module ends.
+
+The server's database is SQLite in a temp PREFECT_HOME, or a PostgreSQL server started for the module (a cluster
+in a temp dir, as the stack's `postgres` user when run by root): a module sets ``STACK_DATABASE = "postgres"``
+(test_deployments_postgres.py), or TEST_STACK_DATABASE=postgres runs every module on it (`make test-deployments
+DB=postgres`). Without PostgreSQL's binaries those modules skip, saying why, unless TEST_REQUIRE_POSTGRES is
+set (.ci/run sets it: CI has them, so CI must not skip).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from deployments import postgres
 from deployments import stack as stacks
 from flows.server import free_port
 from tests.conftest import ROOT, TEST_RECIPES
@@ -24,8 +32,9 @@ HEARTBEAT_WITHIN_SECONDS = 60
 class RunningStack:
     """The stack's processes, the environment to talk to it, and the worker, which a test may kill and replace."""
 
-    def __init__(self, home: Path, logs: Path, allowed_root: Path):
+    def __init__(self, home: Path, logs: Path, allowed_root: Path, database: str = "sqlite"):
         self.logs = logs
+        self.database = database
         self.stack = stacks.Stack(
             home=home,
             port=free_port(),
@@ -42,6 +51,8 @@ class RunningStack:
         self.server: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
         self.started: list[subprocess.Popen] = []
+        self.postgres: postgres.LocalPostgres | None = None
+        self.postgres_server: subprocess.Popen | None = None
 
     @property
     def api_url(self) -> str:
@@ -51,6 +62,11 @@ class RunningStack:
         return self.stack.env()
 
     def up(self) -> None:
+        if self.database == "postgres":
+            self.postgres = postgres.LocalPostgres(postgres.temporary_folder(), free_port(), durable=False)
+            self.postgres_server = self._track(self.postgres.start(self.logs / "postgres.log"))
+            self.postgres.wait_ready(self.postgres_server)
+            self.stack.database_url = self.postgres.url
         self.server = self._track(stacks.start_server(self.stack, self.logs / "server.log"))
         stacks.wait_healthy(self.stack, self.server)
         stacks.create_pool(self.stack)
@@ -74,12 +90,28 @@ class RunningStack:
         """Stops everything started here; returns the pids of any process that survived (should be none)."""
         tree = [p for proc in self.started for p in [proc.pid, *stacks.descendants(proc.pid)]]
         for proc in reversed(self.started):
-            stacks.stop(proc)
-        return [pid for pid in tree if _alive(pid)]
+            stacks.stop(proc, signal.SIGINT if proc is self.postgres_server else signal.SIGTERM)
+        survivors = [pid for pid in tree if _alive(pid)]
+        if self.postgres is not None:  # any process of the cluster, even one that left the tree
+            survivors += [pid for pid in processes_mentioning(str(self.postgres.folder)) if pid not in survivors]
+            shutil.rmtree(self.postgres.folder, ignore_errors=True)
+        return survivors
 
     def _track(self, proc: subprocess.Popen) -> subprocess.Popen:
         self.started.append(proc)
         return proc
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -90,12 +122,34 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def stack_database(module) -> str:
+    """The database of a module's stack: its STACK_DATABASE, else $TEST_STACK_DATABASE, else sqlite."""
+    database = getattr(module, "STACK_DATABASE", None) or os.environ.get("TEST_STACK_DATABASE") or "sqlite"
+    if database not in stacks.DATABASES:
+        raise ValueError(f"TEST_STACK_DATABASE={database!r}: use one of {stacks.DATABASES}")
+    if database == "postgres":
+        require_postgres()
+    return database
+
+
+def require_postgres() -> None:
+    """Skips the test, saying why, on a machine without PostgreSQL's binaries; fails instead where
+    TEST_REQUIRE_POSTGRES is set (CI)."""
+    try:
+        postgres.bindir()
+    except postgres.PostgresError as missing:
+        if os.environ.get("TEST_REQUIRE_POSTGRES"):
+            pytest.fail(f"TEST_REQUIRE_POSTGRES is set: {missing}")
+        pytest.skip(f"no PostgreSQL on this machine: {missing}")
+
+
 @pytest.fixture(scope="module")
-def prefect_stack(tmp_path_factory):
-    """Server + pool + deployments + automations + worker, for one test module."""
+def prefect_stack(request, tmp_path_factory):
+    """Server (on the module's database) + pool + deployments + automations + worker, for one test module."""
     logs = tmp_path_factory.mktemp("stack-logs")
+    database = stack_database(request.module)
     running = RunningStack(home=tmp_path_factory.mktemp("prefect-home"), logs=logs,
-                           allowed_root=tmp_path_factory.getbasetemp())  # fmt: skip
+                           allowed_root=tmp_path_factory.getbasetemp(), database=database)  # fmt: skip
     try:
         running.up()
         yield running

@@ -11,14 +11,17 @@ import signal
 import time
 from pathlib import Path
 
+import torch
+
 from recipes.synthetic import SyntheticRecipe
 
 _batches_in_this_process = 0
 
 
 class PausingRecipe(SyntheticRecipe):
-    """The first process to train ``pause_after_batches`` batches writes ``paused`` (its pid) and waits to be
-    killed. Later processes (a restarted run) see the file and train on."""
+    """The first process to train ``pause_after_batches`` batches writes ``threads`` (torch's intra-op thread
+    count there), then ``paused`` (its pid), and waits to be killed. Later processes (a restarted run) see the file
+    and train on."""
 
     def __init__(self, marker_dir: str, pause_after_batches: int, **kwargs):
         super().__init__(**kwargs)
@@ -30,6 +33,7 @@ class PausingRecipe(SyntheticRecipe):
         _batches_in_this_process += 1
         if _batches_in_this_process == self.pause_after_batches and not self.marker.exists():
             self.marker.parent.mkdir(parents=True, exist_ok=True)
+            (self.marker.parent / "threads").write_text(str(torch.get_num_threads()))
             self.marker.write_text(str(os.getpid()))
             while True:  # until the test kills this process
                 time.sleep(0.5)

@@ -4,195 +4,46 @@ Proves what the product promises for deployments: prefect.yaml's nightly schedul
 automations install idempotently; `prefect deployment run` completes with checkpoints and artifacts; a
 flow-run process killed mid-unit comes back as the same flow run and resumes from its last checkpoint; a
 run that keeps dying stops at max_restarts as Failed; scheduled retraining warm-starts from the released
-model and promotes only models that are not worse; and a whole dead machine (worker and run, nobody left
-to report) is noticed by its missing heartbeats and restarted on another worker. One server and worker
-serve the module (tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
+model and promotes only models that are not worse, gives two ticks in one minute runs of their own, and
+resumes a killed tick under its own name; and a whole dead machine (worker and run, nobody left to report)
+is noticed by its missing heartbeats and restarted on another worker. One server and worker serve the module
+(tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from uuid import UUID
 
 import pytest
-from prefect.client.orchestration import SyncPrefectClient
-from prefect.client.schemas.filters import (
-    ArtifactFilter,
-    ArtifactFilterKey,
-    FlowRunFilter,
-    FlowRunFilterDeploymentId,
-    FlowRunFilterParentFlowRunId,
-    FlowRunFilterState,
-    FlowRunFilterStateType,
-    LogFilter,
-    LogFilterFlowRunId,
-)
-from prefect.client.schemas.objects import FlowRun, StateType
-from prefect.states import Scheduled
+from prefect.client.schemas.objects import StateType
 
-from checkpointing import CheckpointStore
 from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, RESTART_CRASHED
-from deployments.stack import descendants, install_automations
-from tests.conftest import ROOT
+from deployments.stack import install_automations, worker_threads
 from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
+from tests.integration.stack_client import (
+    SYNTHETIC,
+    artifact,
+    checkpoints,
+    client,
+    flow_run_process,
+    logs_containing,
+    pause_config,
+    prefect_cli,
+    read_automations,
+    read_run,
+    run_id_from,
+    scheduled_runs,
+    start_run,
+    state_names,
+    wait_for,
+    wait_for_state,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-SYNTHETIC = {
-    "recipe": "recipes.synthetic:SyntheticRecipe",
-    "global_batch_size": 32,
-    "seed": 7,
-    "max_duration": "3ep",
-    "save_interval": "1ep",
-    "unit_retries": 0,
-}
-PAUSING = "tests.integration.deploy_recipes:PausingRecipe"
-
-
-# -- helpers --------------------------------------------------------------------------------------
-def client(stack) -> SyncPrefectClient:
-    return SyncPrefectClient(stack.api_url)
-
-
-def prefect_cli(stack, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "prefect", *args],
-        cwd=ROOT,
-        env=stack.env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def run_id_from(output: str) -> UUID:
-    return UUID(re.search(r"UUID: ([0-9a-f-]{36})", output).group(1))
-
-
-def start_run(stack, deployment: str, parameters: dict, scheduled: datetime | None = None) -> UUID:
-    with client(stack) as c:
-        dep = c.read_deployment_by_name(deployment)
-        state = Scheduled(scheduled_time=scheduled) if scheduled else None
-        return c.create_flow_run_from_deployment(dep.id, parameters=parameters, state=state).id
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def read_run(stack, run_id: UUID) -> FlowRun:
-    with client(stack) as c:
-        return c.read_flow_run(run_id)
-
-
-def wait_for_state(stack, run_id: UUID, state: StateType, timeout: float = 240) -> FlowRun:
-    other_ends = {StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED} - {state}  # Crashed may be restarted
-
-    def reached():
-        run = read_run(stack, run_id)
-        if run.state.type in other_ends:
-            raise AssertionError(f"flow run {run_id} ended {run.state.name}: {run.state.message}")
-        return run if run.state.type == state else None
-
-    return wait_for(reached, timeout, f"flow run {run_id} to be {state.value}")
-
-
-def state_names(stack, run_id: UUID) -> list[str]:
-    with client(stack) as c:
-        return [s.name for s in c.read_flow_run_states(run_id)]
-
-
-def logs_of(stack, run_id: UUID) -> str:
-    """Log text of a flow run and of its subflow runs."""
-    with client(stack) as c:
-        children = c.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id]))
-        )
-        ids = [run_id, *[r.id for r in children]]
-        logs = c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
-    return "\n".join(log.message for log in logs)
-
-
-def logs_containing(stack, run_id: UUID, *needles: str, timeout: float = 60) -> str:
-    """The run's logs once they contain every needle (a process ships its last logs after its final state)."""
-    text = ""
-
-    def found():
-        nonlocal text
-        text = logs_of(stack, run_id)
-        return all(n in text for n in needles)
-
-    try:
-        wait_for(found, timeout, f"log lines {needles}")
-    except AssertionError:
-        raise AssertionError(f"flow run {run_id} never logged {needles}; its logs:\n{text[-4000:]}") from None
-    return text
-
-
-def artifact(stack, key: str):
-    with client(stack) as c:
-        found = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
-    assert found, f"no artifact {key!r}"
-    return found[-1]
-
-
-def flow_run_process(worker_pid: int, run_id: UUID) -> int:
-    """The pid of the worker's child process that executes flow run ``run_id`` (from /proc)."""
-    for pid in descendants(worker_pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if "prefect.engine" in cmdline and f"PREFECT__FLOW_RUN_ID={run_id}".encode() in environ:
-            return pid
-    raise AssertionError(f"no process of worker {worker_pid} runs flow run {run_id}")
-
-
-def checkpoints(folder: Path, run_name: str) -> dict[str, object]:
-    return {info.name: info for info in CheckpointStore(str(folder), run_name).list()}
-
-
-def pause_config(folder: Path, run_name: str, markers: Path, **overrides) -> dict:
-    # 8 batches per epoch: the process stops in unit 1, after checkpoint ep1 was committed.
-    args = {"num_samples": 256, "marker_dir": str(markers), "pause_after_batches": 12}
-    return {
-        **SYNTHETIC,
-        "run_name": run_name,
-        "save_folder": str(folder),
-        "recipe": PAUSING,
-        "recipe_args": args,
-        **overrides,
-    }
-
-
-def scheduled_runs(stack, deployment_id: UUID) -> list[FlowRun]:
-    with client(stack) as c:
-        return c.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
-            )
-        )
-
-
-def read_automations(stack) -> dict:
-    with client(stack) as c:
-        return {name: c.read_automations_by_name(name) for name in (HEARTBEAT_LOST, RESTART_CRASHED)}
 
 
 # -- tests ----------------------------------------------------------------------------------------
@@ -274,6 +125,10 @@ def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefec
 
     victim = flow_run_process(prefect_stack.worker.pid, run_id)
     assert victim == paused_pid  # the worker's child for this run is the process that trains it
+    # it trains with the worker's thread count (torch's default, one per core, collapses next to the server)
+    assert int((markers / "threads").read_text()) == worker_threads()
+    # and it was not given the server's database settings (its password, on PostgreSQL)
+    assert b"PREFECT_SERVER_DATABASE" not in Path(f"/proc/{victim}/environ").read_bytes()
     assert list(checkpoints(folder, "killed")) == ["ep1-ba8-sa256"]
     os.kill(victim, signal.SIGKILL)
 
@@ -329,22 +184,46 @@ def test_retraining_warm_starts_from_the_release_and_promotes_only_models_not_wo
         run_id = start_run(prefect_stack, "retrain/nightly", {"config": config, "run_prefix": "tick"}, scheduled)
         wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
         logs = logs_containing(prefect_stack, run_id, "unit 0 (attempt 1): starting from", "retrain decision:")
-        return {"logs": logs, "release": json.loads(release.read_text())}
+        return {"logs": logs, "release": json.loads(release.read_text()), "id": str(run_id)}
 
     first = tick(1)
-    assert first["release"]["run_name"] == "tick-20260101T0300"  # named after the scheduled time
+    # named after the scheduled time and its own flow run
+    assert first["release"]["run_name"] == f"tick-20260101T0300-{first['id'][:8]}"
     assert "starting from fresh initialization" in first["logs"]
 
-    second = tick(2)
+    second = tick(1)  # another tick in the same minute (two manual runs): a run of its own, from the first's model
+    assert second["release"]["run_name"] == f"tick-20260101T0300-{second['id'][:8]}" != first["release"]["run_name"]
     assert f"starting from weights of {first['release']['checkpoint']} (load_path)" in second["logs"]
-    assert second["release"]["run_name"] == "tick-20260102T0300"
     assert second["release"]["value"] >= first["release"]["value"]
 
     before = release.read_bytes()
     third = tick(3, lr=1.0)  # a learning rate that wrecks the model
     assert f"starting from weights of {second['release']['checkpoint']} (load_path)" in third["logs"]
-    assert "kept the release tick-20260102T0300" in third["logs"]
+    assert f"kept the release {second['release']['run_name']}" in third["logs"]
     assert release.read_bytes() == before
+
+
+def test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_checkpoints(prefect_stack, tmp_path):
+    folder, markers = tmp_path / "runs", tmp_path / "markers"
+    config = {k: v for k, v in pause_config(folder, "unused", markers).items() if k != "run_name"}  # the tick names it
+    scheduled = datetime(2026, 2, 1, 3, 0, tzinfo=UTC)
+    run_id = start_run(prefect_stack, "retrain/nightly", {"config": config, "run_prefix": "tick"}, scheduled)
+    wait_for(lambda: (markers / "paused").exists(), 240, "the tick to reach unit 1")
+    name = f"tick-20260201T0300-{str(run_id)[:8]}"
+    assert list(checkpoints(folder, name)) == ["ep1-ba8-sa256"]
+
+    victim = flow_run_process(prefect_stack.worker.pid, run_id)
+    os.kill(victim, signal.SIGKILL)
+
+    run = wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
+    assert run.run_count >= 2 and "AwaitingRestart" in state_names(prefect_stack, run_id)
+    # the restarted tick kept its name: one run folder, whose ep1 the killed process wrote and the rest the new one
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [name]
+    saved = checkpoints(folder, name)
+    assert sorted(saved) == ["ep1-ba8-sa256", "ep2-ba16-sa512", "ep3-ba24-sa768"]
+    assert saved["ep1-ba8-sa256"].manifest.writer.pid == victim != saved["ep2-ba16-sa512"].manifest.writer.pid
+    assert json.loads((folder / "release.json").read_text())["run_name"] == name
+    logs_containing(prefect_stack, run_id, "unit 1 (attempt 1): starting from checkpoint ep1-ba8-sa256 at epoch 1")
 
 
 def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another_worker(prefect_stack, tmp_path):

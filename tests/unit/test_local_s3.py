@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -72,3 +73,29 @@ def test_make_s3_serves_bucket_runs_that_a_client_reaches_with_the_printed_envir
     finally:
         server.send_signal(signal.SIGINT)  # what Ctrl-C sends
         assert server.wait(timeout=60) == 0
+
+
+def test_help_names_local_s3_port_and_starts_nothing(tmp_path):
+    port = free_port()
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "deployments.local_s3", "--help"],
+        cwd=ROOT,
+        env={**os.environ, "LOCAL_S3_PORT": str(port)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    seconds = time.monotonic() - started
+
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m deployments.local_s3"), proc.stderr
+    assert "LOCAL_S3_PORT" in proc.stdout and "local S3 at" not in proc.stdout  # documented; no server started
+    assert seconds < 5, f"--help took {seconds:.1f}s"  # ~0.2 s here; a server start takes seconds
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, deployments.local_s3; print(sorted({'torch', 'moto'} & set(sys.modules)))"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert imported.stdout.strip() == "[]"  # what --help imports: nothing heavy

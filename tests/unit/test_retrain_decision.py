@@ -3,11 +3,14 @@ and its command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
+from datetime import datetime
 
 import pytest
+from prefect.runtime import flow_run as runtime_flow_run
 
-from flows.retrain import decide, main, release_file
+from flows.retrain import decide, main, release_file, tick_run_name, warm_start
 from flows.train import TrainResult
 from training.config import ConfigError, TrainConfig
 
@@ -103,3 +106,41 @@ def test_a_bad_flag_is_one_line_and_exit_2_as_for_train(argv, message, tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+def tick_name(monkeypatch, flow_run_id: str, scheduled: str) -> str:
+    """tick_run_name in a flow run with this id and expected start time (what prefect.runtime.flow_run reports)."""
+    monkeypatch.setattr(runtime_flow_run, "id", flow_run_id, raising=False)
+    monkeypatch.setattr(runtime_flow_run, "scheduled_start_time", datetime.fromisoformat(scheduled), raising=False)
+    return tick_run_name("nightly")
+
+
+def test_two_ticks_in_one_minute_get_runs_of_their_own_and_a_restarted_tick_keeps_its_name(monkeypatch):
+    first = tick_name(monkeypatch, "1f0c2a9e-0000-4000-8000-000000000001", "2026-11-22T03:00:05+00:00")
+    second = tick_name(monkeypatch, "7d41b3c0-0000-4000-8000-000000000002", "2026-11-22T03:00:40+00:00")
+    restarted = tick_name(monkeypatch, "1f0c2a9e-0000-4000-8000-000000000001", "2026-11-22T03:00:05+00:00")
+
+    assert first == "nightly-20261122T0300-1f0c2a9e" and second == "nightly-20261122T0300-7d41b3c0"
+    assert restarted == first  # Prefect keeps the flow-run id and expected start time across a restart
+
+
+def test_a_tick_warm_starts_from_another_runs_release_but_never_from_its_own(config):
+    promote(config, "nightly-20261122T0300-1f0c2a9e", accuracy=0.5)
+    release = read_release(config)
+
+    other = warm_start(config, "nightly-20261123T0300-7d41b3c0", release)
+    own = warm_start(config, "nightly-20261122T0300-1f0c2a9e", release)  # a tick restarted after it promoted itself
+
+    assert other == {
+        "run_name": "nightly-20261123T0300-7d41b3c0",
+        "load_path": f"{config.save_folder}/nightly-20261122T0300-1f0c2a9e/checkpoints/ep1",
+        "load_weights_only": True,
+    }
+    assert own == {"run_name": "nightly-20261122T0300-1f0c2a9e"}  # it resumes its run; no load_path
+    assert warm_start(config, "t", None) == {"run_name": "t"}
+
+
+def test_a_release_inside_the_ticks_own_run_folder_is_not_a_warm_start_either(config):
+    promote(config, "renamed", accuracy=0.5)
+    moved = dataclasses.replace(read_release(config), checkpoint=f"{config.save_folder}/t9/checkpoints/ep1")
+    assert "load_path" not in warm_start(config, "t9", moved)
