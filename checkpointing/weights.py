@@ -2,10 +2,12 @@
 
 ``load_path`` may name one file on any fsspec store holding a plain ``state_dict``, this product's export
 (``{"model": ..., "metadata": ...}``), a Composer checkpoint (``{"state": {"model": ...}}``), a Lightning
-checkpoint (``{"state_dict": ...}``) or a ``.safetensors`` file. It comes from a flow-run parameter, so it
-is untrusted: pickles are read with ``torch.load(weights_only=True)`` (safetensors holds no code at all),
-a local path must be a regular file (a FIFO would block the worker, ``/dev/zero`` never ends), and the
-size is checked against what the worker can hold before a byte is read.
+checkpoint (``{"state_dict": ...}``), a ``.safetensors`` file or a MindSpore ``.ckpt``; or a Hugging Face or Ray
+Train folder (``peer_folders``). What else a peer's file carries (optimizer, progress): ``peer_formats``. It
+comes from a flow-run parameter, so it is untrusted: pickles are read with ``torch.load(weights_only=True)`` and
+a short allow-list of harmless types (``safe_types``; safetensors and protobuf hold no code at all), a local path
+must be a regular file (a FIFO would block the worker, ``/dev/zero`` never ends), and the size is checked against
+what the worker can hold before a byte is read. Errors name the file and the problem, never its content.
 
 Two verbs: ``read_weights(uri) -> Weights`` and ``load_into(model, state_dict, ...) -> LoadReport``;
 ``match`` is the pure key/shape comparison both the loader and the flow's up-front check use.
@@ -35,7 +37,7 @@ WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 # attribute a LightningModule or a wrapper most often keeps its network in ("model.").
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
 _COMPOSER_PATH = "state/model/"
-_USER_KEYS = ("model_state_dict", "model_weights", "state")
+_USER_KEYS = ("model_state_dict", "model_weights")
 _EXAMPLES = 3
 
 
@@ -143,8 +145,8 @@ def match(
 
     A prefix that wraps every key of the file and none of the model's (``module.``, ``_orig_mod.``,
     ``model.``) is stripped first. Keys matching a load_ignore_keys glob are left out on both sides:
-    dropped from the file, and not counted missing from the model (they keep their initialization). A model key
-    in ``aliases`` (tied to another, ``tied_keys``) is not missing when the file gives the key it is tied to."""
+    dropped from the file, and not counted missing from the model (they keep their initialization). Model keys
+    that share one parameter (``aliases``, from ``tied_keys``) are not missing when the file gives one of them."""
     state_dict, stripped = _strip_wrapper_prefixes(dict(state_dict), set(model_shapes))
     patterns = [p.removeprefix(_COMPOSER_PATH) for p in ignore_keys]
 
@@ -157,10 +159,11 @@ def match(
     shapes = {k: (tuple(given[k].shape), wanted[k]) for k in given.keys() & wanted.keys()}
     mismatched = sorted(k for k, (a, b) in shapes.items() if a != b)
     loadable = {k: v for k, v in given.items() if k in wanted and k not in mismatched}
+    given_ties = {(aliases or {}).get(k) for k in loadable} - {None}  # the tied groups the file fills
     report = LoadReport(
         loaded=sorted(loadable),
         ignored=ignored_keys,
-        missing=sorted(k for k in wanted.keys() - given.keys() if (aliases or {}).get(k) not in given),
+        missing=sorted(k for k in wanted.keys() - given.keys() if (aliases or {}).get(k) not in given_ties),
         unexpected=sorted(given.keys() - wanted.keys()),
         mismatched=mismatched,
         stripped_prefix=stripped,
@@ -220,14 +223,12 @@ def load_into(
 
 
 def tied_keys(model: torch.nn.Module) -> dict[str, str]:
-    """``{key: the key it shares its parameter with}`` for tied weights (a language model's output layer and its
-    embedding): Hugging Face writes only one of them, and loading that one fills both."""
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}
+    """``{key: the first key of its group}`` for parameters shared under several keys (a language model's output
+    layer and its embedding): Hugging Face writes one key of the group, and loading it fills them all."""
+    names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        tied.update({name: first[id(param)]} if id(param) in first else {})
-        first.setdefault(id(param), name)
-    return tied
+        names.setdefault(id(param), []).append(name)
+    return {name: group[0] for group in names.values() if len(group) > 1 for name in group}
 
 
 def default_max_bytes() -> int:

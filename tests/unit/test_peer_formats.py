@@ -146,6 +146,14 @@ def test_without_the_tie_the_missing_head_is_named():
         load_into(untied, read_weights(str(PEERS / "hf" / "single")).state_dict)
 
 
+def test_either_key_of_a_tied_pair_fills_both():
+    ref, tied = reference("hf"), expected("hf")["tied"]
+    model = gpt2_like({k: v.shape for k, v in ref.items()}, tied)
+    only_head = {k: v for k, v in ref.items() if k != "transformer.wte.weight"}  # the other key of the pair
+    assert load_into(model, only_head).ok
+    assert_loaded(model, ref)
+
+
 def test_the_real_transformers_model_takes_the_folder_when_transformers_is_installed():
     transformers = pytest.importorskip("transformers")  # not in CI: the keyed stand-in above covers it there
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**expected("hf")["config"]))
