@@ -20,6 +20,7 @@ protobuf through ``mindspore_ckpt``, safetensors hold none. No Prefect here (``c
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,11 @@ def read_peer_checkpoint(
             peer.description = f"{folder.what}: {peer.description}"
             return peer
         return _merge(folder, where)
+    if str(uri).endswith(COMPOSER_SYMLINK):
+        target, where = _follow_composer_symlink(str(uri), storage_options, where), f"{where} (the file it names)"
+        peer = decode_peer_file(read_bounded(target, storage_options, where, limit), where)
+        peer.description += ", through Composer's .symlink"
+        return peer
     return decode_peer_file(read_bounded(str(uri), storage_options, where, limit), where)
 
 
@@ -117,6 +123,8 @@ def optimizer_state_for(peer: PeerCheckpoint, param_names: list[str]) -> dict[st
     groups = [{**g, "params": sorted(new_id[p] for p in g["params"] if p in new_id)} for g in state["param_groups"]]
     return {"state": {new_id[k]: v for k, v in state["state"].items() if k in new_id}, "param_groups": groups}
 
+
+COMPOSER_SYMLINK = ".symlink"  # Composer's latest pointer in object stores
 
 # torch.optim.SGD's group keys besides lr and momentum, as nn.Momentum behaves by default (use_nesterov=False)
 _SGD_DEFAULTS = {"dampening": 0, "nesterov": False, "maximize": False, "foreach": None, "differentiable": False,
@@ -335,6 +343,23 @@ def _merge(folder: Folder, where: str) -> PeerCheckpoint:
     return PeerCheckpoint(
         Weights(merged, folder.what), description=folder.what, taken=[f"weights ({len(merged)} tensors)"]
     )
+
+
+def _follow_composer_symlink(uri: str, options: dict[str, Any] | None, where: str) -> str:
+    """Composer's ``latest-rank0.pt.symlink``: a text object holding the object name of the newest checkpoint
+    (object stores have no links). Followed only to a file in the same folder."""
+    data = read_bounded(uri, options, where, 4096)
+    try:
+        target = data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise WeightsError(f"{where}: not a Composer .symlink file (not text)") from exc
+    folder, name = posixpath.split(target)
+    here = posixpath.dirname(open_url(uri, options)[1])
+    folder = folder.strip("/")
+    same_folder = not folder or here.strip("/") == folder or here.endswith(f"/{folder}")
+    if not name or name in (".", "..") or "\\" in name or not same_folder:
+        raise WeightsError(f"{where}: the Composer .symlink points outside its own folder; name the checkpoint file")
+    return f"{uri.rsplit('/', 1)[0]}/{name}"
 
 
 def _local_dir(path: str) -> bool:

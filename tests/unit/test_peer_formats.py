@@ -81,6 +81,18 @@ def test_composers_numpy_rng_and_timedeltas_are_read_as_tensors_and_timedeltas_w
     assert type(state["state"]["metadata"]["torch_version"]) is str  # TorchVersion, a str subclass, made plain
 
 
+@pytest.mark.parametrize("kind", STORES)
+def test_composers_latest_symlink_text_object_leads_to_the_checkpoint_beside_it(kind, request, tmp_path):
+    root, options = store_root(kind, request, tmp_path)
+    put(f"{root}/run/checkpoints/ep2.pt", (PEERS / "composer" / "ep2.pt").read_bytes(), options)
+    bucket_path = root.split("://", 1)[-1].split("/", 1)[-1]  # Composer writes the object name, bucket left out
+    put(f"{root}/run/checkpoints/latest-rank0.pt.symlink", f"{bucket_path}/run/checkpoints/ep2.pt".encode(), options)
+    peer = read_peer_checkpoint(f"{root}/run/checkpoints/latest-rank0.pt.symlink", options)
+    assert peer.progress["step"] == 8 and torch.equal(
+        peer.weights.state_dict["module.0.weight"], reference("composer")["0.weight"]
+    )
+
+
 # -- Lightning ---------------------------------------------------------------------------------------
 def test_a_real_lightning_last_ckpt_loads_weights_optimizer_progress_and_hyper_parameters():
     peer = read_peer_checkpoint(str(PEERS / "lightning" / "last.ckpt"))

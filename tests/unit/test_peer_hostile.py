@@ -281,6 +281,15 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_without_blocking(make, tm
         read_weights(str(folder))
 
 
+@pytest.mark.parametrize("target", ["../../secret.pt", "/etc/passwd", "other/ep2.pt", "x/checkpoints2/ep2.pt"])
+def test_a_composer_symlink_file_cannot_point_outside_its_folder(target, tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest-rank0.pt.symlink").write_text(target)
+    with pytest.raises(WeightsError, match=r"the Composer .symlink points outside its own folder") as info:
+        read_peer_checkpoint(str(tmp_path / "checkpoints" / "latest-rank0.pt.symlink"))
+    assert target not in str(info.value)
+
+
 # -- MindSpore's protobuf --------------------------------------------------------------------------------
 def ms_value(tag: bytes, dims: list[int], kind: bytes, content: bytes) -> bytes:
     def ld(field: int, data: bytes) -> bytes:
