@@ -2,10 +2,12 @@
 
 ``load_path`` may name one file on any fsspec store holding a plain ``state_dict``, this product's export
 (``{"model": ..., "metadata": ...}``), a Composer checkpoint (``{"state": {"model": ...}}``), a Lightning
-checkpoint (``{"state_dict": ...}``) or a ``.safetensors`` file. It comes from a flow-run parameter, so it
-is untrusted: pickles are read with ``torch.load(weights_only=True)`` (safetensors holds no code at all),
-a local path must be a regular file (a FIFO would block the worker, ``/dev/zero`` never ends), and the
-size is checked against what the worker can hold before a byte is read.
+checkpoint (``{"state_dict": ...}``), a ``.safetensors`` file or a MindSpore ``.ckpt``; or a Hugging Face or Ray
+Train folder (``peer_folders``). What else a peer's file carries (optimizer, progress): ``peer_formats``. It
+comes from a flow-run parameter, so it is untrusted: pickles are read with ``torch.load(weights_only=True)`` and
+a short allow-list of harmless types (``safe_types``; safetensors and protobuf hold no code at all), a local path
+must be a regular file (a FIFO would block the worker, ``/dev/zero`` never ends), and the size is checked against
+what the worker can hold before a byte is read. Errors name the file and the problem, never its content.
 
 Two verbs: ``read_weights(uri) -> Weights`` and ``load_into(model, state_dict, ...) -> LoadReport``;
 ``match`` is the pure key/shape comparison both the loader and the flow's up-front check use.
@@ -14,10 +16,8 @@ Two verbs: ``read_weights(uri) -> Weights`` and ``load_into(model, state_dict, .
 from __future__ import annotations
 
 import fnmatch
-import io
 import json
 import os
-import pickle
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ import torch
 
 from checkpointing.manifest import MANIFEST
 from checkpointing.protocols import is_local_fs, open_url
-from checkpointing.serialization import check_unpacked_size
+from checkpointing.safe_types import load_with_peer_types
 from checkpointing.store import CheckpointError, UnsafeCheckpointError
 
 WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
@@ -37,6 +37,7 @@ WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 # attribute a LightningModule or a wrapper most often keeps its network in ("model.").
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
 _COMPOSER_PATH = "state/model/"
+_USER_KEYS = ("model_state_dict", "model_weights")
 _EXAMPLES = 3
 
 
@@ -79,19 +80,25 @@ class LoadReport:
 
 
 def is_weights_file(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """True when ``uri`` names a file (or a missing path that looks like one), not a checkpoint or run folder.
+    """True when ``uri`` names a file (or a missing path that looks like one) or a peer's weights folder (Hugging
+    Face ``save_pretrained``, a Ray Train checkpoint: ``checkpointing.peer_folders``), not one of our checkpoint or
+    run folders.
 
     Anything local that exists and is not a directory counts, FIFOs and devices included, so that
     ``read_weights`` refuses them by name instead of the folder reader calling them "no checkpoint"."""
+    from checkpointing.peer_folders import peer_folder_kind  # it builds on this module's readers
+
     uri = str(uri).rstrip("/")
     if uri.endswith(f"/{MANIFEST}"):
         return False
     fs, path = open_url(uri, storage_options)
     if is_local_fs(fs):
         if os.path.lexists(path):
-            return not os.path.isdir(path)
+            return not os.path.isdir(path) or peer_folder_kind(fs, path) is not None
     elif fs.isfile(path):
         return True
+    elif fs.isdir(path):
+        return peer_folder_kind(fs, path) is not None
     return uri.lower().endswith(WEIGHTS_SUFFIXES) and not fs.exists(path)
 
 
@@ -102,19 +109,29 @@ def read_weights(
     option: str = "load_path",
     max_bytes: int | None = None,
 ) -> Weights:
-    """Reads a weights file and returns its state_dict. Raises WeightsError (or UnsafeCheckpointError for a
-    pickle that needs code) with one line naming ``option`` and ``uri``."""
-    where = f"{option}={uri!r}"
-    data = _read_bounded(uri, storage_options, where, default_max_bytes() if max_bytes is None else max_bytes)
-    if _is_safetensors(data):
+    """Reads a weights file, or a peer's weights folder (Hugging Face, Ray), and returns its state_dict. Raises
+    WeightsError (or UnsafeCheckpointError for a pickle that needs code) with one line naming ``option`` and
+    ``uri``. The peers' optimizer state and progress: ``checkpointing.peer_formats.read_peer_checkpoint``."""
+    from checkpointing.peer_formats import read_peer_checkpoint  # it builds on this module's readers
+
+    return read_peer_checkpoint(uri, storage_options, option=option, max_bytes=max_bytes).weights
+
+
+def decode_weights_file(data: bytes, where: str) -> tuple[Weights, Any]:
+    """A weights file's bytes -> (its Weights, the object torch.load gave, or None for safetensors)."""
+    if is_safetensors(data):
         try:
             tensors = safetensors.torch.load(data)
         except safetensors.SafetensorError as exc:
             raise WeightsError(f"{where}: not a valid safetensors file ({exc})") from exc
-        return Weights(tensors, "a safetensors file", _safetensors_metadata(data))
+        return Weights(tensors, "a safetensors file", safetensors_metadata(data)), None
     if not data.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip format, or its legacy pickle
-        raise WeightsError(f"{where}: neither a torch.save file nor a safetensors file (first bytes {data[:8]!r})")
-    return _unwrap(_torch_load(data, where), where)
+        raise WeightsError(
+            f"{where}: neither a torch.save file, a safetensors file nor a MindSpore checkpoint (its first bytes "
+            f"match none of their layouts)"
+        )
+    obj = _torch_load(data, where)
+    return unwrap(obj, where), obj
 
 
 def match(
@@ -122,12 +139,14 @@ def match(
     state_dict: Mapping[str, Any],
     *,
     ignore_keys: Iterable[str] = (),
+    aliases: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], LoadReport]:
     """Compares a state_dict with a model's ``{key: shape}``; returns what can be loaded and the report.
 
     A prefix that wraps every key of the file and none of the model's (``module.``, ``_orig_mod.``,
     ``model.``) is stripped first. Keys matching a load_ignore_keys glob are left out on both sides:
-    dropped from the file, and not counted missing from the model (they keep their initialization)."""
+    dropped from the file, and not counted missing from the model (they keep their initialization). Model keys
+    that share one parameter (``aliases``, from ``tied_keys``) are not missing when the file gives one of them."""
     state_dict, stripped = _strip_wrapper_prefixes(dict(state_dict), set(model_shapes))
     patterns = [p.removeprefix(_COMPOSER_PATH) for p in ignore_keys]
 
@@ -140,10 +159,11 @@ def match(
     shapes = {k: (tuple(given[k].shape), wanted[k]) for k in given.keys() & wanted.keys()}
     mismatched = sorted(k for k, (a, b) in shapes.items() if a != b)
     loadable = {k: v for k, v in given.items() if k in wanted and k not in mismatched}
+    given_ties = {(aliases or {}).get(k) for k in loadable} - {None}  # the tied groups the file fills
     report = LoadReport(
         loaded=sorted(loadable),
         ignored=ignored_keys,
-        missing=sorted(wanted.keys() - given.keys()),
+        missing=sorted(k for k in wanted.keys() - given.keys() if (aliases or {}).get(k) not in given_ties),
         unexpected=sorted(given.keys() - wanted.keys()),
         mismatched=mismatched,
         stripped_prefix=stripped,
@@ -194,10 +214,21 @@ def load_into(
 ) -> LoadReport:
     """Loads the matching part of ``state_dict`` into ``model``; with ``strict`` any mismatch is an error."""
     model_state = model.state_dict()
-    loadable, report = match({k: v.shape for k, v in model_state.items()}, state_dict, ignore_keys=ignore_keys)
+    loadable, report = match(
+        {k: v.shape for k, v in model_state.items()}, state_dict, ignore_keys=ignore_keys, aliases=tied_keys(model)
+    )
     check_match(report, where, strict)
     model.load_state_dict(loadable, strict=False)
     return report
+
+
+def tied_keys(model: torch.nn.Module) -> dict[str, str]:
+    """``{key: the first key of its group}`` for parameters shared under several keys (a language model's output
+    layer and its embedding): Hugging Face writes one key of the group, and loading it fills them all."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: group[0] for group in names.values() if len(group) > 1 for name in group}
 
 
 def default_max_bytes() -> int:
@@ -209,7 +240,7 @@ def default_max_bytes() -> int:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def _read_bounded(uri: str, storage_options: dict[str, Any] | None, where: str, max_bytes: int) -> bytes:
+def read_bounded(uri: str, storage_options: dict[str, Any] | None, where: str, max_bytes: int) -> bytes:
     fs, path = open_url(uri, storage_options)
     if is_local_fs(fs):
         return _read_local(path, where, max_bytes)
@@ -270,7 +301,7 @@ def _check_size(size: int, where: str, max_bytes: int) -> None:
 
 
 # -- formats ---------------------------------------------------------------------------------------
-def _is_safetensors(data: bytes) -> bool:
+def is_safetensors(data: bytes) -> bool:
     """safetensors' layout: an 8-byte little-endian header length, then a JSON header."""
     if len(data) < 10:
         return False
@@ -278,7 +309,7 @@ def _is_safetensors(data: bytes) -> bool:
     return 2 <= n <= len(data) - 8 and data[8:9] == b"{"
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, Any]:
+def safetensors_metadata(data: bytes) -> dict[str, Any]:
     """The header's ``__metadata__`` (string to string); JSON values (recipe_args, progress) decoded."""
     n = int.from_bytes(data[:8], "little")
     raw = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
@@ -292,18 +323,15 @@ def _safetensors_metadata(data: bytes) -> dict[str, Any]:
 
 
 def _torch_load(data: bytes, where: str) -> Any:
-    check_unpacked_size(data, where)  # a compressed zip entry would unpack to far more than the size bound allows
+    """``safe_load`` with the peers' harmless types (``checkpointing.safe_types``); refusals keep their type."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        lines = str(exc).splitlines()
-        detail = next((line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0])
-        raise UnsafeCheckpointError(
-            f"{where}: refused: the file needs code to load ({detail}); weights are only read with "
-            f"torch.load(weights_only=True). Re-save it as a state_dict of tensors, or as .safetensors"
+        return load_with_peer_types(data, where)
+    except (UnsafeCheckpointError, WeightsError):
+        raise
+    except Exception as exc:  # a damaged zip (RuntimeError), or a pickle whose opcodes make no sense (stack, memo)
+        raise WeightsError(
+            f"{where}: not a readable torch.save file (damaged, truncated or malformed: {type(exc).__name__})"
         ) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise WeightsError(f"{where}: not a readable torch.save file ({str(exc).splitlines()[0]})") from exc
 
 
 def _is_state_dict(obj: Any) -> bool:
@@ -312,7 +340,7 @@ def _is_state_dict(obj: Any) -> bool:
     return all(isinstance(v, torch.Tensor) or k.endswith("_extra_state") for k, v in obj.items())
 
 
-def _unwrap(obj: Any, where: str) -> Weights:
+def unwrap(obj: Any, where: str) -> Weights:
     """Finds the model's state_dict in the layouts other tools write."""
     if _is_state_dict(obj):
         return Weights(dict(obj), "a plain state_dict")
@@ -327,10 +355,14 @@ def _unwrap(obj: Any, where: str) -> Weights:
             return Weights(dict(obj["model"]), "a checkpoint's ['model']")
         if _is_state_dict(obj.get("state_dict")):
             return Weights(dict(obj["state_dict"]), "a Lightning-style checkpoint (['state_dict'])")
-    found = sorted(map(str, obj))[:8] if isinstance(obj, Mapping) else type(obj).__name__
+        for key in _USER_KEYS:  # what torch.save'd training dicts (Ray Train's guides, PyTorch's tutorials) use
+            if _is_state_dict(obj.get(key)):
+                return Weights(dict(obj[key]), f"a checkpoint's [{key!r}]")
+    # what was found, by kind and size only: the file may be another team's, its keys are its content
+    found = f"a mapping of {len(obj)} keys" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
     raise WeightsError(
         f"{where}: holds no state_dict in a layout this reader knows (found {found}); expected a state_dict, "
-        f"{{'model': ...}}, {{'state': {{'model': ...}}}} or {{'state_dict': ...}}"
+        f"{{'model': ...}}, {{'state': {{'model': ...}}}}, {{'state_dict': ...}} or {{'model_state_dict': ...}}"
     )
 
 

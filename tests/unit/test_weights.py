@@ -80,7 +80,8 @@ def test_a_pickle_that_runs_code_is_refused_and_runs_nothing(kind, request, tmp_
     with pytest.raises(UnsafeCheckpointError) as info:
         read_weights(f"{root}/evil.pt", options)
     assert str(info.value).startswith(f"load_path='{root}/evil.pt': refused: the file needs code to load (")
-    assert "GLOBAL posix.system" in str(info.value)
+    assert "a type outside the allow-list of harmless types" in str(info.value)
+    assert "posix" not in str(info.value) and "touch" not in str(info.value)  # names the problem, never the content
     assert "\n" not in str(info.value)
     assert not marker.exists()
 
@@ -144,7 +145,7 @@ def test_a_file_larger_than_the_bound_is_refused_before_it_is_read(kind, source,
 @pytest.mark.parametrize(
     "data, message",
     [
-        (b"not weights at all", "neither a torch.save file nor a safetensors file (first bytes b'not weig')"),
+        (b"not weights at all", "neither a torch.save file, a safetensors file nor a MindSpore checkpoint"),
         (torch_bytes({"epoch": 3, "note": "no tensors"}), "holds no state_dict in a layout this reader knows"),
         (b"", "the file is empty"),
     ],
@@ -156,6 +157,8 @@ def test_a_file_that_holds_no_weights_is_refused_in_one_line(data, message, tmp_
     with pytest.raises(WeightsError) as info:
         read_weights(str(path))
     assert message in str(info.value) and "\n" not in str(info.value)
+    problem = str(info.value).split(": ", 1)[1]
+    assert "not weig" not in problem and "note" not in problem and "epoch" not in problem  # never its bytes or keys
 
 
 def test_a_missing_file_says_so(tmp_path):
