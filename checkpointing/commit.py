@@ -154,6 +154,7 @@ class Committer:
     def commit(self, request: CommitRequest) -> PendingCommit:
         """Commits ``request`` before returning (after any commit still in flight)."""
         self.wait()
+        log.info("writing checkpoint %s to %s", request.name, request.store.uri)
         return PendingCommit.of(_commit_and_prune(request))
 
     def submit(self, request: CommitRequest) -> PendingCommit:

@@ -11,6 +11,15 @@ or, when nothing is left to report it, stays Running forever. So the deployment 
    units resume from the last checkpoint. The flow ends Failed past ``max_restarts`` (Failed is not
    matched, so the loop stops).
 
+One death can be reported Crashed twice: the runner reports the process's exit, and the worker reports it
+again up to ~20 s later, by which time the restarted attempt is already running. Rescheduling on both started a
+second attempt beside the first (which then hit FencedError and set the run Failed). So the restart fires once
+per run within ``RESTART_DEBOUNCE_SECONDS`` (Prefect's reactive triggers wait out their window after firing);
+the running attempt puts its run back to Running when a late report marks it Crashed (flows/restarts.py), and
+a newer attempt takes a run over only after the older one handed over (checkpointing/fencing.py). A real second
+crash inside that window is not lost: its run stops sending heartbeats, and automation 1 reports it again
+once the window is over (``within`` > the debounce, checked at install).
+
 Both are created idempotently, by name (an existing one is updated in place):
 
     python -m deployments.automations --deployment train/default --deployment retrain/nightly
@@ -32,6 +41,7 @@ HEARTBEAT_LOST = "training: heartbeat lost -> crashed"
 RESTART_CRASHED = "training: crashed -> restart"
 DEFAULT_DEPLOYMENTS = ("train/default", "retrain/nightly")
 HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
+RESTART_DEBOUNCE_SECONDS = 45.0  # > the ~20 s between a death's two Crashed reports; < any heartbeat window
 MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency
 # What proves a run alive or finished. Not `prefect.flow-run.*`: on SQLite, every matching event is a
 # bucket write in the triggers service, and a write that collides with the restart action's state change
@@ -76,8 +86,9 @@ def heartbeat_lost(flow_ids: list[UUID], within_seconds: float) -> Automation:
     )
 
 
-def restart_crashed(deployment_ids: list[UUID]) -> Automation:
-    """Moves a Crashed run of these deployments back to Scheduled, named AwaitingRestart."""
+def restart_crashed(deployment_ids: list[UUID], debounce_seconds: float = RESTART_DEBOUNCE_SECONDS) -> Automation:
+    """Moves a Crashed run of these deployments back to Scheduled, named AwaitingRestart: once per run within
+    ``debounce_seconds`` (a second report of the same death is ignored)."""
     return Automation(
         name=RESTART_CRASHED,
         description="A Crashed flow run of a training deployment is rescheduled; it resumes from its last "
@@ -92,7 +103,7 @@ def restart_crashed(deployment_ids: list[UUID]) -> Automation:
             },
             for_each={"prefect.resource.id"},
             threshold=1,
-            within=timedelta(0),
+            within=timedelta(seconds=debounce_seconds),
         ),
         actions=[
             ChangeFlowRunState(
@@ -144,6 +155,11 @@ def install(deployment_names: list[str], within_seconds: float | None = None) ->
         raise ValueError(
             f"within={within}s: must exceed the heartbeat frequency ({frequency}s), or every "
             f"healthy run would be marked Crashed; use about 3x the frequency"
+        )
+    if within <= RESTART_DEBOUNCE_SECONDS:
+        raise ValueError(
+            f"within={within}s: must exceed the restart's debounce ({RESTART_DEBOUNCE_SECONDS:g}s), or a second crash "
+            f"inside it would never be reported again"
         )
     return [upsert(heartbeat_lost(flow_ids, within)), upsert(restart_crashed(ids))]
 

@@ -6,15 +6,34 @@ Defaults set here, before Prefect is imported (the environment still wins):
   ones named in PREFECT_LOGGING_EXTRA_LOGGERS to the flow run's logs, so training's and the store's lines
   reach the UI without a logger threaded through every call. A line logged outside a run (a background upload
   finishing after its unit) is simply not sent, instead of a warning each time.
+
+A flow-run process started by a worker imports Prefect (and configures its logging) before it imports this
+package, so the environment default comes too late there: ``ship_module_logs`` attaches the handler itself,
+and every flow calls it first.
 """
 
 import logging
 import os
 
+PRODUCT_LOGGERS = ("training", "checkpointing", "tasks", "flows")
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "training,checkpointing,tasks,flows")
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", ",".join(PRODUCT_LOGGERS))
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
-for _name in ("training", "checkpointing", "tasks", "flows"):
+for _name in PRODUCT_LOGGERS:
     if logging.getLogger(_name).level == logging.NOTSET:
         logging.getLogger(_name).setLevel(logging.INFO)
+
+
+def ship_module_logs() -> None:
+    """Sends the product's module loggers' lines to the flow run's logs (once per process, whoever started it)."""
+    from prefect.logging.handlers import APILogHandler
+
+    # Prefect's own handler instances (what its logging set-up gives extra loggers): adding them twice is a no-op.
+    handlers = [h for h in logging.getLogger("prefect.extra").handlers if isinstance(h, APILogHandler)]
+    for name in PRODUCT_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in handlers or [APILogHandler()]:
+            if not any(isinstance(h, APILogHandler) for h in logger.handlers) or handler in logger.handlers:
+                logger.addHandler(handler)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
 from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
-from prefect.states import Scheduled
+from prefect.states import Running, Scheduled
 
 from training.preemption import Preempted
 
@@ -41,12 +43,15 @@ def is_deployment_run() -> bool:
 
 
 def restart_count() -> int:
-    """How often this flow run was restarted after a crash (rescheduled by the automation) before this attempt."""
-    if not is_deployment_run() or flow_run_attempt() <= 1:
-        return 0
+    """How often this flow run ran again after a crash before this attempt: its runs after the first, less those
+    that followed a preemption. (Not the number of ``AwaitingRestart`` states: a worker may report one death
+    twice, and each report can reschedule the run.)"""
+    runs_again = retries_of(flow_run.run_count)
+    if not is_deployment_run() or runs_again == 0:
+        return runs_again
     with get_client(sync_client=True) as client:
         states = client.read_flow_run_states(UUID(flow_run.id))
-    return sum(1 for state in states if state.name == RESTARTED)
+    return max(runs_again - sum(1 for state in states if state.name == PREEMPTED), 0)
 
 
 def leave(stop: Preempted) -> BaseException:
@@ -95,3 +100,52 @@ def _abort_keeping_state(why: str) -> BaseException:
     abort = Abort(why)
     abort.state = state  # type: ignore[attr-defined]
     return abort
+
+
+def superseded_by_this_flow_run(store: Any) -> bool:
+    """Whether the writer that fenced this attempt out is a newer attempt of this same flow run."""
+    fence = store.fence
+    return bool(flow_run.id) and fence.read(fence.newest()).owner == flow_run.id
+
+
+def leave_superseded() -> BaseException:
+    """A newer attempt of this flow run owns it now: leave without touching its state."""
+    return _abort_keeping_state("a newer attempt of this flow run took it over; this one leaves")
+
+
+class KeepRunning:
+    """While this attempt trains, undoes a late Crashed report of an earlier death: a worker reports one death
+    twice, the second time after the restarted attempt (this one) is already running, and the run would show
+    Crashed while it trains (and end Crashed: Prefect refuses Completed after Crashed). Polls the run's state every
+    ``interval`` seconds and sets it back to Running. Deployment runs only; a no-op elsewhere."""
+
+    def __init__(self, interval: float = 5.0):
+        self.interval = interval
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> KeepRunning:
+        if is_deployment_run() and flow_run.id:
+            self._thread = threading.Thread(target=self._watch, args=(UUID(flow_run.id),), daemon=True,
+                                            name="keep-running")  # fmt: skip
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval * 2)
+
+    def _watch(self, run_id: UUID) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                with get_client(sync_client=True) as client:
+                    state = client.read_flow_run(run_id).state
+                    if state is not None and state.type == StateType.CRASHED and not self._done.is_set():
+                        client.set_flow_run_state(run_id, Running(message=_ALIVE), force=True)
+                        logger.warning("%s (%s); set back to Running", _ALIVE, state.message or "no message")
+            except Exception as exc:  # the API is only a report: training goes on
+                logger.debug("keep-running check failed: %s", exc)
+
+
+_ALIVE = "a late Crashed report of an earlier attempt's death arrived while this attempt trains"

@@ -26,7 +26,7 @@ from pydantic_settings import SettingsConfigDict
 
 from checkpointing import validate_name
 from checkpointing.release import Release, ReleaseFile
-from flows import cli
+from flows import cli, ship_module_logs
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 from training.session import store_retry
@@ -96,6 +96,7 @@ def retrain(
     run_prefix: str = DEFAULTS.run_prefix,
 ) -> RetrainResult:
     """Train one tick's model from the release's weights; promote it if ``metric`` is not worse."""
+    ship_module_logs()
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
     run_name = tick_run_name(run_prefix)

@@ -18,9 +18,18 @@ from prefect import Flow
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
-from flows import cli
+from checkpointing import FencedError
+from flows import cli, ship_module_logs
 from flows.artifacts import RunReport
-from flows.restarts import flow_run_attempt, is_deployment_run, leave, restart_count
+from flows.restarts import (
+    KeepRunning,
+    flow_run_attempt,
+    is_deployment_run,
+    leave,
+    leave_superseded,
+    restart_count,
+    superseded_by_this_flow_run,
+)
 from flows.server import prefect_api
 from tasks import evaluate, unit_task
 from training import preemption
@@ -50,6 +59,7 @@ class TrainFlow(Flow):
 
 def train_flow(config: TrainConfig) -> TrainResult:
     """Train ``config.recipe`` to ``config.max_duration``, one checkpointed unit per task."""
+    ship_module_logs()
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
     owner, attempt = flow_run.id or "", flow_run_attempt()
@@ -58,8 +68,14 @@ def train_flow(config: TrainConfig) -> TrainResult:
         with (
             preemption.handling(config.preemption_signals),
             Run.open(config, attempt=attempt, owner=owner, label=label, untrusted=is_deployment_run()) as run,
+            KeepRunning(),
         ):
-            return _train(config, run)
+            try:
+                return _train(config, run)
+            except FencedError:
+                if superseded_by_this_flow_run(run.store):  # a newer attempt of this run took over: not a failure
+                    raise leave_superseded() from None
+                raise
     except Preempted as stop:
         raise leave(stop) from None
 

@@ -32,9 +32,12 @@ TEST_RECIPES = ",".join(
         "tests.recipes_for_tests:MicroBatchRecipe",
         "tests.recipes_for_tests:ContextRecipe",
         "tests.recipes_for_tests:TwoOptimizerRecipe",
+        "tests.recipes_for_tests:SignalledRecipe",
+        "tests.recipes_for_tests:PacedRecipe",
         "tests.integration.deploy_recipes:PausingRecipe",
         "tests.integration.deploy_recipes:DyingRecipe",
         "tests.own_loop_recipes:FlakyOwnLoopRecipe,tests.own_loop_recipes:ShortLoopRecipe",
+        "tests.own_loop_recipes:SignalledLoopRecipe",
     ]
 )
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES

@@ -38,3 +38,26 @@ class ShortLoopRecipe:
         done = checkpoint["reports"] if checkpoint else 0
         for i in range(done, self.num_reports):
             ctx.report({"loss": 1.0 / (i + 1)}, state={"reports": i + 1})
+
+
+class SignalledLoopRecipe(OwnLoopRecipe):
+    """The example loop; sends its own process a real SIGTERM right after optimizer step ``signal_after_update``
+    of the run (once: ``<marker_dir>/signalled`` marks it sent)."""
+
+    def __init__(self, signal_after_update: int = 0, marker_dir: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.signal_after_update, self.marker_dir = signal_after_update, marker_dir
+        self.updates = 0
+
+    def update(self, model, optimizer, scheduler, batch, ctx: LoopContext) -> float:
+        import os
+        import signal
+
+        loss = super().update(model, optimizer, scheduler, batch, ctx)
+        self.updates += 1
+        marker = os.path.join(self.marker_dir, "signalled")
+        if self.updates == self.signal_after_update and not os.path.exists(marker):
+            os.makedirs(self.marker_dir, exist_ok=True)
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss

@@ -127,3 +127,67 @@ class TwoOptimizerRecipe(SyntheticRecipe):
 
     def load_state_dict(self, state):
         self.head_optimizer.load_state_dict(state["head_optimizer"])
+
+
+class SignalledRecipe(RecordingRecipe):
+    """Sends this process a real ``signal_name`` during its ``signal_at_step``-th training step, or at the start of
+    its ``signal_in_eval``-th evaluation: a polite termination arriving at a chosen point, through the product's
+    real signal handler. Once per run: ``<record_dir>/signalled`` marks it sent, so a relaunch (same arguments, the
+    same run) trains on."""
+
+    def __init__(self, signal_at_step: int = 0, signal_in_eval: int = 0, signal_name: str = "SIGTERM", **kwargs):
+        super().__init__(**kwargs)
+        self.signal_at_step, self.signal_in_eval, self.signal_name = signal_at_step, signal_in_eval, signal_name
+        self.steps = self.evaluations = 0
+
+    def _send(self) -> None:
+        import signal
+
+        marker = os.path.join(self.record_dir, "signalled")
+        if os.path.exists(marker):
+            return
+        os.makedirs(self.record_dir, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+    def on_train_batch(self, sample_ids: list[int]) -> None:
+        super().on_train_batch(sample_ids)
+        self.steps += 1
+        if self.steps == self.signal_at_step:
+            self._send()
+
+    def eval_dataset(self):
+        self.evaluations += 1
+        if self.evaluations == self.signal_in_eval:
+            self._send()
+        return super().eval_dataset()
+
+
+class PacedRecipe(RecordingRecipe):
+    """Trains at a steady pace so that a test can send a signal at a known phase: each step takes at least
+    ``step_seconds``, each evaluation batch ``eval_seconds``; ``<record_dir>/phase`` says "step" or "eval" (with the
+    process id) while the recipe's code runs."""
+
+    def __init__(self, step_seconds: float = 0.0, eval_seconds: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.step_seconds, self.eval_seconds = step_seconds, eval_seconds
+
+    def _phase(self, name: str) -> None:
+        os.makedirs(self.record_dir, exist_ok=True)
+        with open(os.path.join(self.record_dir, "phase"), "w") as f:
+            f.write(f"{name} {os.getpid()}")
+
+    def on_train_batch(self, sample_ids: list[int]) -> None:
+        import time
+
+        super().on_train_batch(sample_ids)
+        self._phase("step")
+        time.sleep(self.step_seconds)
+
+    def evaluate(self, model, batch) -> dict[str, float]:
+        import time
+
+        self._phase("eval")
+        time.sleep(self.eval_seconds)
+        return super().evaluate(model, batch)

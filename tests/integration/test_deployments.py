@@ -110,7 +110,7 @@ def test_deployment_run_from_the_cli_completes_with_checkpoints_and_artifacts(pr
     assert all(row["verified"] and row["seconds_to_save"] is not None for row in table)
     assert artifact(prefect_stack, "train-cli-run-progress").data == 100.0
     summary = artifact(prefect_stack, "train-cli-run-summary").data
-    assert "loss.svg" in summary and "| accuracy |" in summary
+    assert "loss.svg" in summary and "| eval\\_accuracy |" in summary
     assert (tmp_path / "runs" / "cli-run" / "loss.svg").read_text().startswith("<svg")
 
 
