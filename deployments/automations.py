@@ -15,10 +15,12 @@ One death can be reported Crashed twice: the runner reports the process's exit, 
 again up to ~20 s later, by which time the restarted attempt is already running. Rescheduling on both started a
 second attempt beside the first (which then hit FencedError and set the run Failed). So the restart fires once
 per run within ``RESTART_DEBOUNCE_SECONDS`` (Prefect's reactive triggers wait out their window after firing);
-the running attempt puts its run back to Running when a late report marks it Crashed (flows/restarts.py), and
-a newer attempt takes a run over only after the older one handed over (checkpointing/fencing.py). A real second
+a late report may still mark the running attempt's run Crashed (it goes on, and ends Completed: Prefect allows
+Crashed -> Completed), and a newer attempt takes a run over only after the older one handed over
+(checkpointing/fencing.py). A real second
 crash inside that window is not lost: its run stops sending heartbeats, and automation 1 reports it again
-once the window is over (``within`` > the debounce, checked at install).
+after ``within`` (> the debounce, checked at install): automation 3, ``training: crash not restarted -> restart``,
+reschedules a Crashed run that nothing followed (no restart, heartbeat or later state) for that long.
 
 Both are created idempotently, by name (an existing one is updated in place):
 
@@ -39,6 +41,7 @@ from prefect.settings import get_current_settings
 
 HEARTBEAT_LOST = "training: heartbeat lost -> crashed"
 RESTART_CRASHED = "training: crashed -> restart"
+RESTART_MISSED = "training: crash not restarted -> restart"
 DEFAULT_DEPLOYMENTS = ("train/default", "retrain/nightly")
 HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 RESTART_DEBOUNCE_SECONDS = 45.0  # > the ~20 s between a death's two Crashed reports; < any heartbeat window
@@ -115,6 +118,47 @@ def restart_crashed(deployment_ids: list[UUID], debounce_seconds: float = RESTAR
     )
 
 
+# After a Crashed report of attempt N (events labelled prefect.run-count=N), what shows that attempt N was
+# restarted, is alive after all (the report was a late duplicate), or ended. State events are named after the state:
+# AwaitingRestart and Preempted are Scheduled states. training.attempt.alive comes from flows/restarts.py.
+RESTARTED_OR_ALIVE = {
+    "training.attempt.alive",
+    *(f"prefect.flow-run.{name}" for name in ("AwaitingRestart", "Preempted", "Completed", "Failed", "Cancelled",
+                                              "Cancelling")),
+}  # fmt: skip
+
+
+def restart_missed(deployment_ids: list[UUID], within_seconds: float) -> Automation:
+    """Reschedules a Crashed run of these deployments that nothing restarted within ``within_seconds``: a second
+    crash inside the restart's debounce window. Bucketed by attempt (``prefect.run-count``): Prefect keeps one bucket
+    per key, and the first crash's bucket, already answered by its restart, would swallow the second crash."""
+    return Automation(
+        name=RESTART_MISSED,
+        description=f"A Crashed training run that '{RESTART_CRASHED}' left alone (a second crash soon after the first) "
+        "is rescheduled once nothing else happened to it for a while.",
+        trigger=EventTrigger(
+            posture=Posture.Proactive,
+            after={"prefect.flow-run.Crashed"},
+            expect=RESTARTED_OR_ALIVE,
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related={
+                "prefect.resource.role": "deployment",
+                "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids],
+            },
+            for_each={"prefect.resource.id", "prefect.run-count"},
+            threshold=1,
+            within=timedelta(seconds=within_seconds),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.SCHEDULED,
+                name="AwaitingRestart",
+                message=f"restarted after a crash that no restart followed for {within_seconds:.0f}s",
+            )
+        ],
+    )
+
+
 def upsert(automation: Automation) -> Automation:
     """Creates the automation, or updates the one with the same name (and removes any duplicates)."""
     existing = _by_name(automation.name)
@@ -161,7 +205,7 @@ def install(deployment_names: list[str], within_seconds: float | None = None) ->
             f"within={within}s: must exceed the restart's debounce ({RESTART_DEBOUNCE_SECONDS:g}s), or a second crash "
             f"inside it would never be reported again"
         )
-    return [upsert(heartbeat_lost(flow_ids, within)), upsert(restart_crashed(ids))]
+    return [upsert(heartbeat_lost(flow_ids, within)), upsert(restart_crashed(ids)), upsert(restart_missed(ids, within))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,15 +21,22 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", ",".join(PRODUCT_LOGGERS))
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
-for _name in PRODUCT_LOGGERS:
-    if logging.getLogger(_name).level == logging.NOTSET:
-        logging.getLogger(_name).setLevel(logging.INFO)
+
+def _at_info() -> None:
+    for name in PRODUCT_LOGGERS:
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
+_at_info()
 
 
 def ship_module_logs() -> None:
-    """Sends the product's module loggers' lines to the flow run's logs (once per process, whoever started it)."""
+    """Sends the product's module loggers' lines (INFO and up) to the flow run's logs, once per process, whoever
+    started it: a worker's flow-run process may run a flow unpickled from a bundle, without this module's import."""
     from prefect.logging.handlers import APILogHandler
 
+    _at_info()
     # Prefect's own handler instances (what its logging set-up gives extra loggers): adding them twice is a no-op.
     handlers = [h for h in logging.getLogger("prefect.extra").handlers if isinstance(h, APILogHandler)]
     for name in PRODUCT_LOGGERS:

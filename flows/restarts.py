@@ -15,10 +15,9 @@ from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import StateType
 from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
-from prefect.states import Running, Scheduled
+from prefect.states import Scheduled
 
 from training.preemption import Preempted
 
@@ -113,21 +112,29 @@ def leave_superseded() -> BaseException:
     return _abort_keeping_state("a newer attempt of this flow run took it over; this one leaves")
 
 
-class KeepRunning:
-    """While this attempt trains, undoes a late Crashed report of an earlier death: a worker reports one death
-    twice, the second time after the restarted attempt (this one) is already running, and the run would show
-    Crashed while it trains (and end Crashed: Prefect refuses Completed after Crashed). Polls the run's state every
-    ``interval`` seconds and sets it back to Running. Deployment runs only; a no-op elsewhere."""
+ALIVE_EVENT = "training.attempt.alive"  # deployments/automations.py's third automation listens for it
+ALIVE_SECONDS = 10.0
 
-    def __init__(self, interval: float = 5.0):
+
+class AttemptAlive:
+    """While this attempt of a deployment run trains, emits ``training.attempt.alive`` every ``ALIVE_SECONDS``,
+    labelled with the run's ``run_count``: Prefect's own heartbeats say a flow run is alive, not *which attempt*,
+    and the automation that restarts a crash nothing else restarted must tell this attempt (alive, after a late
+    Crashed report of the previous one) from a second attempt that died. A no-op outside deployment runs."""
+
+    def __init__(self, interval: float = ALIVE_SECONDS):
         self.interval = interval
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> KeepRunning:
+    def __enter__(self) -> AttemptAlive:
         if is_deployment_run() and flow_run.id:
-            self._thread = threading.Thread(target=self._watch, args=(UUID(flow_run.id),), daemon=True,
-                                            name="keep-running")  # fmt: skip
+            resource = {"prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                        "prefect.run-count": str(flow_run_attempt())}  # fmt: skip
+            related = [{"prefect.resource.id": f"prefect.deployment.{deployment.id}",
+                        "prefect.resource.role": "deployment"}]  # fmt: skip
+            self._thread = threading.Thread(target=self._beat, args=(resource, related), daemon=True,
+                                            name="attempt-alive")  # fmt: skip
             self._thread.start()
         return self
 
@@ -136,16 +143,13 @@ class KeepRunning:
         if self._thread is not None:
             self._thread.join(timeout=self.interval * 2)
 
-    def _watch(self, run_id: UUID) -> None:
-        while not self._done.wait(self.interval):
+    def _beat(self, resource: dict[str, str], related: list[dict[str, str]]) -> None:
+        from prefect.events import emit_event
+
+        while True:
             try:
-                with get_client(sync_client=True) as client:
-                    state = client.read_flow_run(run_id).state
-                    if state is not None and state.type == StateType.CRASHED and not self._done.is_set():
-                        client.set_flow_run_state(run_id, Running(message=_ALIVE), force=True)
-                        logger.warning("%s (%s); set back to Running", _ALIVE, state.message or "no message")
+                emit_event(event=ALIVE_EVENT, resource=resource, related=related)
             except Exception as exc:  # the API is only a report: training goes on
-                logger.debug("keep-running check failed: %s", exc)
-
-
-_ALIVE = "a late Crashed report of an earlier attempt's death arrived while this attempt trains"
+                logger.debug("could not emit %s: %s", ALIVE_EVENT, exc)
+            if self._done.wait(self.interval):
+                return

@@ -31,7 +31,8 @@ from flows.train import TrainResult, check_restart_cap, refuse_storage_options_f
 from training.config import ConfigError, TrainConfig
 from training.session import store_retry
 
-logger = logging.getLogger(__name__)
+# Named, not __name__: a worker loads this file from its deployment's entrypoint as a module named "retrain".
+logger = logging.getLogger("flows.retrain")
 
 
 class RetrainOptions(BaseModel):

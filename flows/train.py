@@ -22,7 +22,7 @@ from checkpointing import FencedError
 from flows import cli, ship_module_logs
 from flows.artifacts import RunReport
 from flows.restarts import (
-    KeepRunning,
+    AttemptAlive,
     flow_run_attempt,
     is_deployment_run,
     leave,
@@ -68,7 +68,7 @@ def train_flow(config: TrainConfig) -> TrainResult:
         with (
             preemption.handling(config.preemption_signals),
             Run.open(config, attempt=attempt, owner=owner, label=label, untrusted=is_deployment_run()) as run,
-            KeepRunning(),
+            AttemptAlive(),
         ):
             try:
                 return _train(config, run)

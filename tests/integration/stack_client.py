@@ -27,7 +27,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.states import Scheduled
 
 from checkpointing import CheckpointStore
-from deployments.automations import HEARTBEAT_LOST, RESTART_CRASHED
+from deployments.automations import HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED
 from deployments.stack import descendants
 from tests.conftest import ROOT
 
@@ -177,4 +177,4 @@ def scheduled_runs(stack, deployment_id: UUID) -> list[FlowRun]:
 
 def read_automations(stack) -> dict:
     with client(stack) as c:
-        return {name: c.read_automations_by_name(name) for name in (HEARTBEAT_LOST, RESTART_CRASHED)}
+        return {name: c.read_automations_by_name(name) for name in (HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED)}

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prefect.client.schemas.objects import StateType
 
-from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, RESTART_CRASHED
+from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED
 from deployments.stack import install_automations, worker_threads
 from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 from tests.integration.stack_client import (
@@ -78,7 +78,10 @@ def test_installing_the_automations_again_updates_them_in_place(prefect_stack):
         n: [a.id for a in found] for n, found in before.items()
     }  # one of each, the same objects
     assert after[HEARTBEAT_LOST][0].trigger.within == timedelta(seconds=75)
-    assert set(after[RESTART_CRASHED][0].trigger.match_related.root["prefect.resource.id"]) == deployment_ids
+    assert after[RESTART_MISSED][0].trigger.within == timedelta(seconds=75)
+    assert after[RESTART_CRASHED][0].trigger.within == timedelta(seconds=45)  # one restart per death
+    for name in (RESTART_CRASHED, RESTART_MISSED):
+        assert set(after[name][0].trigger.match_related.root["prefect.resource.id"]) == deployment_ids
 
 
 def test_deployment_run_from_the_cli_completes_with_checkpoints_and_artifacts(prefect_stack, tmp_path):
