@@ -145,6 +145,12 @@ class TrainConfig(BaseSettings):
         "autoresume=true it changes nothing (a run that continues never writes a checkpoint name twice), and says so "
         "when the run has checkpoints.",
     )
+    save_network_weights: bool = Field(
+        False,
+        description="MindSpore's checkpoint_network: with every checkpoint also save the model's weights alone, as "
+        "weights.pt in the checkpoint's folder (a plain state_dict: torch.load(f, weights_only=True)), listed and "
+        "verified by its manifest and removed with it by retention.",
+    )
     global_batch_size: int = Field(
         64, ge=1, le=MAX_BATCH, description="Samples per optimizer step, summed over all processes."
     )
@@ -362,6 +368,11 @@ class TrainConfig(BaseSettings):
             )
         if (self.load_ignore_keys or not self.load_strict) and not self.load_path:
             raise ValueError("load_strict and load_ignore_keys apply to load_path: set load_path, or leave them out")
+        if self.save_network_weights and self.parallelism == "fsdp":
+            raise ValueError(
+                "save_network_weights=True with parallelism='fsdp': the weights are shards of every process; export "
+                "a checkpoint's whole weights with python -m checkpointing export <checkpoint URI> <file>"
+            )
         self.save_folder = format_save_folder(self.save_folder, self.run_name)
         return self
 

@@ -348,6 +348,7 @@ def save(
         writer=Writer.current(generation),
         retention=retention(config),
         background=use_async_upload(config, store) and s.world.size == 1,
+        network_weights=config.save_network_weights,
     )
     pending = committer.send(request)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees

@@ -75,6 +75,10 @@ CASES = {
     "save_folder {x}": (["--save_folder", "r/{x}"], "save_folder='r/{x}': {x} is not a format variable"),
     "save_interval dur": (["--save_interval", "0.5dur"], "save_interval='0.5dur': a fraction of the run ('dur'"),
     "max_duration tok": (["--max_duration", "9tok"], "max_duration='9tok': tokens ('tok', Composer's) are not"),
+    "network weights fsdp": (
+        ["--save_network_weights", "true", "--parallelism", "fsdp"],
+        "save_network_weights=True with parallelism='fsdp': the weights are shards",
+    ),
     "shuffle maybe": (["--shuffle", "maybe"], "shuffle='maybe'"),
 }
 
