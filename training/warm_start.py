@@ -167,6 +167,11 @@ def check_load_path(config: TrainConfig) -> None:
                     f"load_path={config.load_path!r} is a checkpoint folder and load_weights_only=false: its full "
                     f"state must match; load_strict and load_ignore_keys apply to weights: set load_weights_only=true"
                 )
+            if config.parallelism == "fsdp":
+                raise ConfigError(
+                    f"load_path={config.load_path!r}: with parallelism='fsdp' a new run takes weights only; set "
+                    f"load_weights_only=True"
+                )
             _check_full_folder(config)
         else:
             _check_peer(config, found[0])

@@ -144,3 +144,13 @@ def test_partial_loads_take_weights_only_and_say_why(make_config, caplog):
     assert origin.text.startswith("weights of ") and session.progress.step == 0 and not session.optimizer.state
     assert "load_path: weights only (2 model keys keep their initialization (load_ignore_keys / load_strict=false)" \
            in caplog.text  # fmt: skip
+
+
+def test_fsdp_takes_weights_only_from_our_folder_and_says_so_at_start(make_config):
+    a = source_run(make_config)
+    config = make_config(run_name="b", max_duration="4ep", load_path=f"{a.save_folder}/a", parallelism="fsdp")
+    with pytest.raises(
+        ConfigError, match=r"with parallelism='fsdp' a new run takes weights only; set load_weights_only"
+    ):
+        check_load_path(config)
+    check_load_path(config.model_copy(update={"load_weights_only": True}))
