@@ -24,9 +24,13 @@ from typing import Any
 
 from checkpointing.manifest import Writer
 from checkpointing.serialization import serialize
-from checkpointing.store import CHECKPOINTS, CheckpointInfo, CheckpointStore
+from checkpointing.store import CHECKPOINTS, STATE_FILE, CheckpointInfo, CheckpointStore
 
 log = logging.getLogger(__name__)
+
+# save_network_weights: the model's state_dict alone beside state.pt, under the same manifest (MindSpore's
+# checkpoint_network copy, made a file of the checkpoint so that it is committed, verified and pruned with it)
+WEIGHTS_FILE = "weights.pt"
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,12 @@ def request(
     writer: Writer,
     retention: Retention,
     background: bool,
+    network_weights: bool = False,
 ) -> CommitRequest:
-    """The request for a checkpoint of ``objects`` (file name -> object for ``torch.save``) at ``progress``."""
+    """The request for a checkpoint of ``objects`` (file name -> object for ``torch.save``) at ``progress``; with
+    ``network_weights``, plus ``weights.pt``: the model state_dict of ``state.pt`` (``["state"]["model"]``) alone."""
+    if network_weights:
+        objects = with_network_weights(objects)
     return CommitRequest(
         store=store,
         name=store.name_for(progress, writer.generation),
@@ -118,6 +126,19 @@ def request(
         blobs=serialize(objects) if background else {},  # a snapshot to upload while training goes on
         objects=None if background else objects,  # else streamed: no second copy of the state in memory
     )
+
+
+def with_network_weights(objects: dict[str, Any]) -> dict[str, Any]:
+    """``objects`` plus ``weights.pt`` holding ``state.pt``'s ``["state"]["model"]`` (the same tensors, written twice:
+    a file that ``torch.load(f, weights_only=True)`` turns into a state_dict with no knowledge of this product)."""
+    state = objects.get(STATE_FILE, {}).get("state") if isinstance(objects.get(STATE_FILE), dict) else None
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        log.warning("save_network_weights: this checkpoint's state has no ['model'] state_dict; no %s written "
+                    "(a train_loop reports it as ctx.report(..., state={'model': model.state_dict(), ...}))",
+                    WEIGHTS_FILE)  # fmt: skip
+        return objects
+    return {**objects, WEIGHTS_FILE: model}
 
 
 def commit_sharded(

@@ -184,8 +184,9 @@ def check_match(report: LoadReport, where: str, strict: bool) -> None:
         )
 
 
-def mismatch_text(report: LoadReport) -> str:
-    """The first few missing, unexpected and reshaped keys, and the two ways out."""
+def mismatch_text(report: LoadReport, ways_out: bool = True) -> str:
+    """The first few missing, unexpected and reshaped keys, and (``ways_out``) load_path's two ways out: a full
+    checkpoint's state must fit whole, so its callers name their own."""
     parts = []
     for label, keys in (("missing from the file", report.missing), ("not in the model", report.unexpected)):
         if keys:
@@ -196,6 +197,8 @@ def mismatch_text(report: LoadReport) -> str:
             for k in report.mismatched[:_EXAMPLES]
         )
         parts.append(f"{len(report.mismatched)} of another shape ({shown})")
+    if not ways_out:
+        return "; ".join(parts)
     first = (report.mismatched or report.missing or report.unexpected or ["<key>"])[0]
     glob = f"{first.rsplit('.', 1)[0]}.*" if "." in first else first
     return (

@@ -191,3 +191,33 @@ class PacedRecipe(RecordingRecipe):
         self._phase("eval")
         time.sleep(self.eval_seconds)
         return super().evaluate(model, batch)
+
+
+class AdamRecipe(SyntheticRecipe):
+    """The synthetic recipe with Adam: a checkpoint written with SGD carries no state it could use."""
+
+    def build_optimizer(self, model):
+        import torch
+
+        return torch.optim.Adam(model.parameters(), lr=self.lr)
+
+
+class TiedHeadRecipe(SyntheticRecipe):
+    """A tiny language model whose output layer shares its embedding's weight (``head.weight`` is
+    ``wte.weight``), the way Hugging Face ties a causal LM's head: a file holds one key of the pair."""
+
+    def build_model(self):
+        import torch
+        from torch import nn
+
+        class TinyLM(nn.Module):
+            def __init__(self, vocab: int, width: int):
+                super().__init__()
+                self.wte = nn.Embedding(vocab, width)
+                self.head = nn.Linear(width, vocab, bias=False)
+                self.head.weight = self.wte.weight
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.head(self.wte(x.long().clamp(0, self.wte.num_embeddings - 1)).mean(1))
+
+        return TinyLM(self.in_features, self.hidden)

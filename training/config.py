@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
@@ -23,42 +22,15 @@ from checkpointing.protocols import check_store_url
 from checkpointing.store import validate_name
 from training.config_sources import BoundedCliSource, BoundedEnvSource, check_flag_json, file_source
 from training.config_text import ConfigError, check_keys, short
+from training.durations import MAX_COUNT, Duration, duration_validator, optional_duration_validator
+from training.save_folder import format_save_folder
 
-_DURATION = re.compile(r"^\s*(\d+)\s*(ep|ba|sp)\s*$")
-MAX_COUNT = 10**12  # epochs, batches or samples: far past any real run, far below int64 overflow
 MAX_SEED = 2**63 - 1  # torch.manual_seed and the sampler's arithmetic take signed 64-bit seeds
 MAX_BATCH = 2**31 - 1
 _RECIPE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 _METRIC_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]{0,127}$")
 _config_file: contextvars.ContextVar[str | None] = contextvars.ContextVar("config_file", default=None)
 _flags: contextvars.ContextVar[PydanticBaseSettingsSource | None] = contextvars.ContextVar("flags", default=None)
-
-
-@dataclass(frozen=True)
-class Duration:
-    """A length of training: ``value`` epochs (``'ep'``), optimizer steps (``'ba'``) or samples (``'sp'``).
-
-    Samples are Composer's unit: a budget in samples does not drift when the global batch size changes."""
-
-    value: int
-    unit: Literal["ep", "ba", "sp"]
-
-    @classmethod
-    def parse(cls, text: str, option: str = "duration") -> Duration:
-        m = _DURATION.match(str(text))
-        if not m or not 1 <= int(m.group(1)) <= MAX_COUNT:
-            raise ValueError(
-                f"{option}={text!r}: use '<n>ep' (epochs), '<n>ba' (batches) or '<n>sp' (samples) with "
-                f"1 <= n <= 10**12, e.g. '10ep', '500ba' or '100000sp'"
-            )
-        return cls(int(m.group(1)), m.group(2))  # type: ignore[arg-type]
-
-    def __str__(self) -> str:
-        return f"{self.value}{self.unit}"
-
-
-def _duration(option: str):
-    return AfterValidator(lambda v: str(Duration.parse(v, option)))
 
 
 def _export_uri(value: str | None) -> str | None:
@@ -99,10 +71,6 @@ def _finite(option: str, low: float, high: float):
         return v
 
     return AfterValidator(check)
-
-
-def _optional_duration(option: str):
-    return AfterValidator(lambda v: v if v is None else str(Duration.parse(v, option)))
 
 
 def _optional_finite(option: str, low: float, high: float):
@@ -150,7 +118,8 @@ class TrainConfig(BaseSettings):
     save_folder: Annotated[str, _url("save_folder")] = Field(
         "runs",
         description="Where runs are stored: a local path or any fsspec URL (file://, s3://, memory://; gs:// and "
-        "az:// with the gcs / azure extras).",
+        "az:// with the gcs / azure extras). Composer's '{run_name}' is substituted (a run already gets its own "
+        "folder <save_folder>/<run_name>); its other format variables are refused, naming what to write instead.",
     )
     recipe: Annotated[str, AfterValidator(_recipe_path)] = Field(
         "recipes.digits:DigitsRecipe",
@@ -160,11 +129,27 @@ class TrainConfig(BaseSettings):
     recipe_args: Annotated[dict[str, Any], _json_object("recipe_args")] = Field(
         default_factory=dict, description="Keyword arguments for the recipe's constructor (JSON on the CLI)."
     )
-    max_duration: Annotated[str, _duration("max_duration")] = Field(
-        "5ep", description="Total length of training: '<n>ep', '<n>ba' or '<n>sp' (samples)."
+    max_duration: Annotated[str, duration_validator("max_duration")] = Field(
+        "5ep", description="Total length of training: '<n>ep', '<n>ba' or '<n>sp' (samples); an integer is epochs."
     )
-    save_interval: Annotated[str, _duration("save_interval")] = Field(
-        "1ep", description="Length of one unit (one Prefect task, one checkpoint): '<n>ep', '<n>ba' or '<n>sp'."
+    save_interval: Annotated[str, duration_validator("save_interval")] = Field(
+        "1ep",
+        description="Length of one unit (one Prefect task, one checkpoint): '<n>ep', '<n>ba' or '<n>sp'; an integer "
+        "is epochs (Composer's save_interval=1).",
+    )
+    save_overwrite: bool = Field(
+        False,
+        description="Composer's option. false: a launch never writes over a run's checkpoints; with autoresume=false "
+        "a run that has checkpoints is refused. true, with autoresume=false: a new launch starts the run over, "
+        "deleting its checkpoints before it trains (a restart of that launch continues what it trained). With "
+        "autoresume=true it changes nothing (a run that continues never writes a checkpoint name twice), and says so "
+        "when the run has checkpoints.",
+    )
+    save_network_weights: bool = Field(
+        False,
+        description="MindSpore's checkpoint_network: with every checkpoint also save the model's weights alone, as "
+        "weights.pt in the checkpoint's folder (a plain state_dict: torch.load(f, weights_only=True)), listed and "
+        "verified by its manifest and removed with it by retention.",
     )
     global_batch_size: int = Field(
         64, ge=1, le=MAX_BATCH, description="Samples per optimizer step, summed over all processes."
@@ -179,8 +164,11 @@ class TrainConfig(BaseSettings):
     load_path: Annotated[str | None, _url("load_path")] = Field(
         None,
         description="Where to start when the run has no checkpoint yet (ignored, with a warning, once it has): a "
-        "checkpoint or run folder URI, or a weights file URI (a state_dict, an export, a Composer or Lightning "
-        "checkpoint, .safetensors).",
+        "checkpoint or run folder URI, or a weights file or folder URI (a state_dict, an export, .safetensors, a "
+        "Composer, Lightning, MindSpore or Ray checkpoint, a Hugging Face folder). With load_weights_only=false a full "
+        "checkpoint's optimizer state and progress are carried over; the new run's optimizer hyper-parameters (lr, "
+        "weight decay, momentum, betas: as the recipe builds them) win over the checkpoint's, its LR schedule "
+        "continues at the carried step, and one line says which values changed.",
     )
     resume_from: Annotated[str | None, _checkpoint_name("resume_from")] = Field(
         None,
@@ -272,7 +260,7 @@ class TrainConfig(BaseSettings):
     store_retry_max_seconds: Annotated[float, _finite("store_retry_max_seconds", 1, 86400)] = Field(
         120.0, description="Give up an object-store call (all its attempts) after this long."
     )
-    eval_interval: Annotated[str | None, _optional_duration("eval_interval")] = Field(
+    eval_interval: Annotated[str | None, optional_duration_validator("eval_interval")] = Field(
         None,
         description="Evaluate on the recipe's eval split every '<n>ep', '<n>ba' or '<n>sp' inside the run (always "
         "done at the end too); the metrics, prefixed 'eval_', are stored in the next checkpoint's manifest and "
@@ -380,6 +368,12 @@ class TrainConfig(BaseSettings):
             )
         if (self.load_ignore_keys or not self.load_strict) and not self.load_path:
             raise ValueError("load_strict and load_ignore_keys apply to load_path: set load_path, or leave them out")
+        if self.save_network_weights and self.parallelism == "fsdp":
+            raise ValueError(
+                "save_network_weights=True with parallelism='fsdp': the weights are shards of every process; export "
+                "a checkpoint's whole weights with python -m checkpointing export <checkpoint URI> <file>"
+            )
+        self.save_folder = format_save_folder(self.save_folder, self.run_name)
         return self
 
     @classmethod

@@ -7,7 +7,8 @@ its own YAML/TOML sources would read the file again, unbounded. Keys are field n
 MindSpore Transformers' YAML nests its settings (``runner_config: {epochs: 3, batch_size: 32}``,
 ``CheckpointMonitor`` under ``callbacks``, ``trainer: {ignore_data_skip: ...}``). TrainConfig is flat, and
 pydantic would reject each section as "extra inputs are not permitted", which says nothing about what to
-write instead. When the file nests, this names the flat key for each nested key it recognises, in one line.
+write instead. When the file nests, this names the flat key for each nested key it recognises, in one line; so it
+does for MindSpore's key names written at the top level (``epochs: 3``, ``save_checkpoint_steps: 500``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _FOREIGN: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "keep_checkpoint_max": ("num_checkpoints_to_keep", int),
     "load_checkpoint": ("load_path", str),
     "resume_training": ("autoresume", bool),
+    "output_dir": ("save_folder", str),
 }
 _MAX_LISTED = 8
 
@@ -47,7 +49,7 @@ def read_config_file(path: str, fields: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"{option}: expected a mapping of TrainConfig fields at the top level, got {type(raw).__name__}"
         )
-    if problem := nested_sections_problem(raw, option, fields):
+    if problem := nested_sections_problem(raw, option, fields) or foreign_keys_problem(raw, option, fields):
         raise ConfigError(problem)
     check_keys(raw, fields, f"{option}:")
     return dict(raw)
@@ -73,6 +75,25 @@ def nested_sections_problem(raw: Mapping[Any, Any], option: str, fields: Mapping
         f"{option}: nested sections are not read; TrainConfig is flat. "
         f"Recognised: {_listing(recognised) or 'none'}; unknown: {_listing(unknown) or 'none'}. "
         f"Write the recognised keys at the top level (python -m flows.train --help lists every field)"
+    )
+
+
+def foreign_keys_problem(raw: Mapping[Any, Any], option: str, fields: Mapping[str, Any]) -> str | None:
+    """One line naming the TrainConfig field (and value) for each MindSpore Transformers key written at the top level
+    (``epochs: 3``); None when there is none. Keys that are neither ours nor MindSpore's are listed as unknown."""
+    theirs = [k for k in raw if k not in fields and k in _FOREIGN]
+    if not theirs:
+        return None
+    written = []
+    for key in theirs:
+        mapped = _flat_equivalent(key, raw[key], fields)
+        written.append(f"{key} -> {mapped[0]}: {_scalar(mapped[1])}" if mapped else f"{key} -> {_FOREIGN[key][0]}")
+    unknown = [str(k) for k in raw if k not in fields and k not in _FOREIGN]
+    per_device = " (MindSpore's batch_size is per device: multiply it by the number of devices)"
+    return (
+        f"{option}: MindSpore Transformers' key(s) are not TrainConfig fields; write "
+        f"{_listing(written)}{per_device if 'batch_size' in theirs else ''} instead"
+        f"{f'; unknown: {_listing(unknown)}' if unknown else ''}"
     )
 
 

@@ -279,6 +279,7 @@ class LoopContext(RunContext):
                 store, full, {STATE_FILE: {"state": dict(state), "progress": full}}, metadata=metadata,
                 writer=Writer.current(self._generation), retention=retention(config),
                 background=async_upload(config, store) and self._world.size == 1,
+                network_weights=config.save_network_weights,
             )  # fmt: skip
             return self._committer.send(request)
 

@@ -26,9 +26,10 @@ from checkpointing import CheckpointInfo, CheckpointStore
 from checkpointing.export import export_checkpoint
 from checkpointing.fencing import LEASE_STALE, Lease
 from checkpointing.store import split_run_uri
-from training.config import ConfigError, TrainConfig
+from training.config import TrainConfig
 from training.identity import check_same_run
 from training.loop import UnitResult, run_unit
+from training.overwrite import start_over, starts_over
 from training.preemption import STOP, raise_if_requested
 from training.preflight import preflight
 from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
@@ -90,13 +91,9 @@ class Run:
         preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
         store = open_store(config)
         start = store.latest()
-        if start is not None:
+        over = starts_over(config, store, start, attempt)  # autoresume=False on a run with checkpoints: refused, or
+        if start is not None and not over:  # (save_overwrite=True) started over once the run is claimed
             check_same_run(config, start)
-            if not config.autoresume and attempt <= 1:
-                raise ConfigError(
-                    f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; "
-                    f"set autoresume=True to continue it, or choose a new run_name"
-                )
         elif config.load_path and not uses_own_loop(config):
             check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
         rollback_to = pending_roll_back(config, store)  # a bad resume_from fails here, before anything is written
@@ -106,6 +103,8 @@ class Run:
         generation = store.claim_generation(label=label, owner=owner, handover_seconds=handover)
         lease = Lease(store.fence, generation, on_stop=_handover_requested).start()
         try:
+            if over:
+                start_over(store, generation)
             if rollback_to:
                 roll_back(store, rollback_to, generation)
             start = resolve_start(config, store)

@@ -19,7 +19,7 @@ from checkpointing import commit as commits
 from checkpointing.commit import Committer, PendingCommit, Retention
 from checkpointing.storage import RetrySettings
 from checkpointing.store import STATE_FILE
-from training import rng
+from training import carry_over, rng
 from training.config import ConfigError, TrainConfig
 from training.context import RunContext
 from training.hooks import Hooks
@@ -27,7 +27,7 @@ from training.identity import check_same_run, run_identity
 from training.progress import Progress, rescaled
 from training.recipe import Recipe, load_recipe, open_dataset
 from training.state import SMALL, TrainState
-from training.warm_start import load_weights
+from training.warm_start import load_start, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -190,36 +190,64 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) ->
     loaded = store.load_latest(files)
     if loaded is not None:
         check_same_run(config, loaded.info)
-        _apply(session, loaded)
+        fix = (f"the recipe builds another model or optimizer than the one that wrote it; to train this one, start a "
+               f"new run from its weights: load_path={loaded.info.uri!r} load_weights_only=true load_strict=false")  # fmt: skip
+        _apply(session, loaded, fix)
         reposition(config, session)
         return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
     if config.load_path:
-        weights_from = load_weights(config, session.model)  # a weights file, or a folder's weights only
-        if weights_from is not None:
-            session.data_skip_applied = requested_data_skip(config)  # a new run: nothing to skip
-            return Origin("load_path", None, weights_from)
-        loaded = open_checkpoint_uri(config.load_path, storage_options=config.storage_options, files=files)
-        _apply(session, loaded)
-        session.data_skip_applied = None  # another run's record: this run has applied nothing yet
-        reposition(config, session)
-        return Origin("load_path", None, f"state of {loaded.info.uri} (load_path)")
+        return _start_from_load_path(config, session, files)
     if session.world.size > 1:
         rng.seed_all(config.seed + session.world.rank)  # same initial weights everywhere, own RNG streams after
     session.data_skip_applied = requested_data_skip(config)  # nothing to skip at the start of a run
     return Origin("fresh")
 
 
-def _apply(session: Session, loaded: LoadedCheckpoint) -> None:
-    """Loads a ``state.pt`` checkpoint into the session: every part of the bundle, progress, data-skip record, RNG."""
-    state = loaded.objects[STATE_FILE]
-    try:
-        session.model.load_state_dict(state["state"]["model"])
-    except RuntimeError as exc:  # a model of another shape: the checkpoint is fine, the configuration is not
-        raise ConfigError(
-            f"{loaded.info.uri} does not fit the model this configuration builds: {str(exc).splitlines()[0]} "
-            f"(check recipe and recipe_args)"
-        ) from exc
-    session.state.load_state_dict(state["state"], [p for p in state["state"] if p != "model"])
+def _start_from_load_path(config: TrainConfig, session: Session, files: list[str]) -> Origin:
+    """A new run from ``load_path``: weights only, or (load_weights_only=false) a full checkpoint, ours or a peer's,
+    whose state and progress are carried under this run's hyper-parameters and LR schedule (training/carry_over.py)."""
+    this_run = carry_over.ThisRun.of(session.optimizer, session.scheduler)  # as the recipe built them, before any load
+    start = load_start(config, session.model, session.optimizer)  # weights loaded; None: our folder's full state
+    if start is not None and start.weights_only:
+        session.data_skip_applied = requested_data_skip(config)  # a new run: nothing to skip
+        return Origin("load_path", None, start.origin)
+    if start is None:
+        loaded = open_checkpoint_uri(str(config.load_path), storage_options=config.storage_options, files=files)
+        fix = "check recipe and recipe_args, or take the weights that fit: load_weights_only=true load_strict=false"
+        _apply(session, loaded, fix, what=f"load_path={config.load_path!r} ({loaded.info.name})")
+        text, carried_optimizer = f"state of {loaded.info.uri} (load_path)", True
+    else:
+        session.state.load_state_dict(start.state, list(start.state))  # checked to fit by load_start
+        if start.progress:
+            session.progress, note = carry_over.peer_progress(start.progress, len(session.dataset))
+            if note:
+                logger.info("load_path: progress: %s", note)
+        text, carried_optimizer = start.origin, "optimizer" in start.state
+    changes = this_run.restore(session.optimizer, session.scheduler)
+    if carried_optimizer:
+        carry_over.log_hyperparameters(changes)
+    carried = start is None or bool(start.progress)
+    session.data_skip_applied = None if carried else requested_data_skip(config)  # another run's record: none yet
+    reposition(config, session)
+    if session.scheduler is not None:
+        exact = carry_over.continue_schedule(session.scheduler, session.progress.step)
+        logger.info("load_path: the recipe's %s continues at step %d (learning rate %s)%s",
+                    type(session.scheduler).__name__, session.progress.step,
+                    ", ".join(f"{g['lr']:.6g}" for g in session.optimizer.param_groups),
+                    "" if exact else ": it has no closed form, so only its counter was moved")  # fmt: skip
+    return Origin("load_path", None, text)
+
+
+def _apply(session: Session, loaded: LoadedCheckpoint, fix: str, what: str = "") -> None:
+    """Loads a ``state.pt`` checkpoint into the session: every part of the bundle, progress, data-skip record, RNG.
+    Model and optimizer state must fit whole: else one ConfigError naming the first keys that differ, and ``fix``."""
+    state = loaded.objects[STATE_FILE]["state"]
+    what = what or f"checkpoint {loaded.info.uri}"
+    carry_over.load_model_state(session.model, state["model"], what, fix)
+    if state.get("optimizer") is not None:
+        names = carry_over.optimizer_param_names(session.model, session.optimizer)
+        carry_over.check_optimizer_fits(session.optimizer, state["optimizer"], names, what, fix)
+    session.state.load_state_dict(state, [p for p in state if p != "model"])
     session.progress = Progress.from_dict(loaded.info.progress)
     session.data_skip_applied = loaded.info.manifest.metadata.get("data_skip_applied")
     _restore_rng(session, loaded.objects.get(rng_file(session.world.rank)), loaded.info)
@@ -260,7 +288,7 @@ def reposition(config: TrainConfig, session: Session) -> None:
     if p.global_batch_size and p.global_batch_size != new:
         old_step, old_size = p.step, p.global_batch_size
         session.progress = p = rescaled(p, new)
-        if not _continue_schedule(session.scheduler, p.step):
+        if not carry_over.continue_schedule(session.scheduler, p.step):
             logger.warning(
                 "%s has no closed form: its step counter now reads %d, but its learning rate continues from where "
                 "it was",
@@ -294,26 +322,6 @@ def reposition(config: TrainConfig, session: Session) -> None:
         p.sample_in_epoch = target
 
 
-def _continue_schedule(scheduler: Any, step: int) -> bool:
-    """Moves a step-based LR schedule to ``step`` (after a batch-size change renumbered steps).
-    False when only the counter could be moved (a chainable scheduler without a closed form)."""
-    if scheduler is None:
-        return True
-    scheduler.last_epoch = step
-    closed_form = getattr(scheduler, "_get_closed_form_lr", None)
-    if closed_form is None and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-
-        def closed_form() -> list[Any]:
-            return [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
-
-    if closed_form is not None:
-        lrs = closed_form()
-        for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        scheduler._last_lr = list(lrs)
-    return closed_form is not None
-
-
 # -- save -----------------------------------------------------------------------------------------
 def save(
     config: TrainConfig,
@@ -340,6 +348,7 @@ def save(
         writer=Writer.current(generation),
         retention=retention(config),
         background=use_async_upload(config, store) and s.world.size == 1,
+        network_weights=config.save_network_weights,
     )
     pending = committer.send(request)
     metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees

@@ -69,6 +69,16 @@ CASES = {
     "workers -1": (["--num_workers", "-1"], "num_workers='-1'"),
     "fault step 0": (["--inject_fault_at_step", "0"], "inject_fault_at_step='0'"),
     "async maybe": (["--async_upload", "maybe"], "async_upload='maybe'"),
+    # Composer's and MindSpore's habits that mean something else here: refused, naming what to write instead
+    "save_folder {rank}": (["--save_folder", "runs/{rank}"], "save_folder='runs/{rank}': {rank} makes a folder per"),
+    "save_folder {epoch}": (["--save_folder", "r/{epoch}"], "save_folder='r/{epoch}': {epoch} goes in Composer's file"),
+    "save_folder {x}": (["--save_folder", "r/{x}"], "save_folder='r/{x}': {x} is not a format variable"),
+    "save_interval dur": (["--save_interval", "0.5dur"], "save_interval='0.5dur': a fraction of the run ('dur'"),
+    "max_duration tok": (["--max_duration", "9tok"], "max_duration='9tok': tokens ('tok', Composer's) are not"),
+    "network weights fsdp": (
+        ["--save_network_weights", "true", "--parallelism", "fsdp"],
+        "save_network_weights=True with parallelism='fsdp': the weights are shards",
+    ),
     "shuffle maybe": (["--shuffle", "maybe"], "shuffle='maybe'"),
 }
 
