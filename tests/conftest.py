@@ -38,6 +38,7 @@ TEST_RECIPES = ",".join(
         "tests.integration.deploy_recipes:DyingRecipe",
         "tests.own_loop_recipes:FlakyOwnLoopRecipe,tests.own_loop_recipes:ShortLoopRecipe",
         "tests.own_loop_recipes:SignalledLoopRecipe",
+        "tests.own_loop_recipes:SlowRayPortRecipe",
     ]
 )
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES

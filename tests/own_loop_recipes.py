@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from recipes.custom_loop import OwnLoopRecipe
+from recipes.ray_port import RayPortRecipe
 from training import LoopContext
 
 
@@ -61,3 +62,17 @@ class SignalledLoopRecipe(OwnLoopRecipe):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGTERM)
         return loss
+
+
+class SlowRayPortRecipe(RayPortRecipe):
+    """Ray's example, each epoch taking at least ``epoch_seconds``: long enough to kill it mid-run."""
+
+    def __init__(self, epoch_seconds: float = 0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.epoch_seconds = epoch_seconds
+
+    def train_epoch(self, model, criterion, optimizer, X, Y) -> float:
+        import time
+
+        time.sleep(self.epoch_seconds)
+        return super().train_epoch(model, criterion, optimizer, X, Y)

@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,7 +61,8 @@ class Gang:
 
     def __init__(self, config: TrainConfig, key: tuple):
         self.key, self.config = key, config
-        self._folder = tempfile.TemporaryDirectory(prefix="gang-")
+        _remove_stale_folders()
+        self._folder = tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._conn: socket.socket | None = None
@@ -221,6 +223,20 @@ class Gang:
         self.proc.wait()
         self._listener.close()
         _GANGS.pop(self.key, None)
+
+
+FOLDER_PREFIX = "resumable-train-gang-"
+
+
+def _remove_stale_folders() -> None:
+    """Removes the folders of gangs whose parent is gone: a SIGKILLed unit process runs no cleanup (its ranks die
+    with it, its folder stays), so the next gang started on this machine clears them."""
+    if not Path("/proc/self").exists():  # no way to tell a live parent here: leave them
+        return
+    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
+        pid = folder.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 _GANGS: dict[tuple, Gang] = {}

@@ -48,9 +48,15 @@ def differences(config: TrainConfig, info: CheckpointInfo) -> list[str]:
 def check_same_run(config: TrainConfig, info: CheckpointInfo) -> None:
     """ConfigError (never retried) when ``config`` would continue ``info`` with another model or data order."""
     found = differences(config, info)
-    if found:
-        raise ConfigError(
-            f"run_name={config.run_name!r} was trained with another configuration than this launch "
-            f"({'; '.join(found)}; checkpoint {info.name}). To train this configuration, choose a new run_name, "
-            f"or start a new run from its weights with load_path={info.uri!r} load_weights_only=true"
-        )
+    if not found:
+        return
+    if info.manifest.metadata.get("train_loop"):  # a loop of its own: what load_path hands it is its state
+        fix = (f"start a new run from its reported state with load_path={info.uri!r} (ctx.get_checkpoint() then "
+               f"returns that state; with load_weights_only=true, {{'model': ...}} of it)")  # fmt: skip
+    else:
+        fix = f"start a new run from its weights with load_path={info.uri!r} load_weights_only=true"
+    raise ConfigError(
+        f"run_name={config.run_name!r} was trained with another configuration than this launch "
+        f"({'; '.join(found)}; checkpoint {info.name}). To train this configuration, choose a new run_name, "
+        f"or {fix}"
+    )

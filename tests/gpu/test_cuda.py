@@ -12,8 +12,9 @@ import torch
 
 from checkpointing import CheckpointStore
 from training.config import TrainConfig
-from training.distributed import launch_unit
-from training.loop import InjectedFault, run_unit
+from training.gang import close_gangs
+from training.loop import InjectedFault
+from training.run import Run, execute_unit
 from training.warm import PROCESS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -36,14 +37,17 @@ def config(tmp_path, name: str, **kw) -> TrainConfig:
 
 
 def run_all(cfg: TrainConfig, fail_once: bool = False) -> None:
-    attempt, done = 1, False
-    while not done:
-        try:
-            done = run_unit(cfg, attempt=attempt).complete
-            attempt = 1
-        except InjectedFault:
-            assert fail_once
-            attempt += 1
+    """What the train flow does, without Prefect: units until the run is complete, a failed unit tried again."""
+    with Run.open(cfg) as run:
+        attempt = 1
+        while not run.complete:
+            try:
+                run.record(execute_unit(cfg, unit=run.next_unit, start_checkpoint=run.head, attempt=attempt,
+                                        generation=run.generation))  # fmt: skip
+                attempt = 1
+            except InjectedFault:
+                assert fail_once
+                attempt += 1
 
 
 def weights(cfg: TrainConfig) -> dict:
@@ -71,28 +75,15 @@ def test_cuda_rng_state_is_saved_and_restored(tmp_path):
 
 
 def test_torchrun_unit_uses_nccl_on_cuda(tmp_path, caplog):
-    cfg = config(tmp_path, "nccl", nproc_per_node=1, max_duration="2ep")
-    log = logging.getLogger("nccl-test")
-    with caplog.at_level(logging.INFO, logger="nccl-test"):
-        first = launch_unit(cfg, start_checkpoint=None, attempt=1, generation=1, log=log)
-        second = launch_unit(cfg, start_checkpoint=None, attempt=1, generation=1, log=log)
+    # one process with FSDP: the smallest configuration that runs on torchrun ranks, on a one-GPU machine
+    cfg = config(tmp_path, "nccl", nproc_per_node=1, parallelism="fsdp", max_duration="2ep")
+    with caplog.at_level(logging.INFO):
+        try:
+            with Run.open(cfg) as run:
+                first = execute_unit(cfg, unit=run.next_unit, start_checkpoint=run.head, generation=run.generation)
+                run.record(first)
+                second = execute_unit(cfg, unit=run.next_unit, start_checkpoint=run.head, generation=run.generation)
+        finally:
+            close_gangs()
     assert "joined a nccl process group" in caplog.text
     assert second.resumed_from == f"checkpoint {first.checkpoint_name}" and second.complete
-
-
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_cuda_mixed_precision_with_accumulation_and_clipping_resumes_bit_identically(tmp_path, precision):
-    """fp16 on CUDA runs the GradScaler for real (unscale before clip, skipped steps on inf); its state is
-    checkpointed, so a cold resume in a new process state ends with the same weights."""
-    options = dict(precision=precision, grad_accumulation=2, grad_clip_norm=1.0, max_duration="2ep")
-    warm, cold = config(tmp_path, "warm", **options), config(tmp_path, "cold", **options)
-    run_all(warm)
-    PROCESS.forget()
-    while not run_unit(cold).complete:
-        PROCESS.forget()
-    a, b = weights(warm), weights(cold)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    if precision == "fp16":
-        store = CheckpointStore(cold.save_folder, cold.run_name)
-        scaler = store.load(store.latest(), ["state.pt"]).objects["state.pt"]["state"]["scaler"]
-        assert scaler["scale"] > 0

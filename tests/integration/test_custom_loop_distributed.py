@@ -1,0 +1,128 @@
+"""A loop of the user's own on 2 processes: Ray Train's checkpointing example (recipes/ray_port.py) under real
+torchrun, SIGKILLed as a whole and by one rank, resuming exactly from its last report.
+
+The flow-run process is killed with SIGKILL: its rank processes die with it (nothing outlives the unit), and the
+same command again resumes from the last report. One rank killed: the gang ends cleanly (no hang), Prefect's retry
+starts a fresh gang, and ``get_checkpoint()`` on every rank returns the last report. Both end torch.equal to an
+uninterrupted 2-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore
+from checkpointing.store import STATE_FILE
+from deployments.stack import descendants
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+RAY = "tests.own_loop_recipes:SlowRayPortRecipe"
+EPOCHS = 24
+
+
+def command(folder: Path, run_name: str, retries: int = 0) -> list[str]:
+    return [sys.executable, "-m", "flows.train", "--run_name", run_name, "--save_folder", str(folder),
+            "--recipe", RAY, "--recipe_args", json.dumps({"epoch_seconds": 0.15}), "--max_duration", f"{EPOCHS}ep",
+            "--nproc_per_node", "2", "--seed", "3", "--unit_retries", str(retries), "--retry_delay_seconds", "0"]  # fmt: skip
+
+
+def run(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    out = open(log, "w")  # noqa: SIM115 - the child writes it until it exits
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def reports(folder: Path, run_name: str) -> int:
+    latest = CheckpointStore(str(folder), run_name).read_pointer()
+    return int(re.match(r"ep(\d+)-", latest["name"]).group(1)) if latest else 0
+
+
+def final_weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
+    store = CheckpointStore(str(folder), run_name)
+    info = store.latest(deep=True)
+    assert info.progress["epoch"] == EPOCHS
+    return store.load(info, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model_weights"]
+
+
+def ranks_of(pid: int) -> list[int]:
+    return [p for p in descendants(pid) if b"training.distributed" in _cmdline(p) and b"torch.distributed" not in
+            _cmdline(p)]  # fmt: skip
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait(predicate, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None and time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prefect_env) -> dict[str, torch.Tensor]:
+    folder = tmp_path_factory.mktemp("ray-ref")
+    proc = run(command(folder, "ref"), prefect_env, folder / "log")
+    assert proc.wait(timeout=300) == 0, (folder / "log").read_text()[-3000:]
+    return final_weights(folder, "ref")
+
+
+def test_sigkill_of_the_run_takes_its_ranks_along_and_the_relaunch_resumes_from_the_last_report(
+    tmp_path, prefect_env, reference
+):
+    proc = run(command(tmp_path, "k"), prefect_env, tmp_path / "killed.log")
+    wait(lambda: reports(tmp_path, "k") >= 5, proc, "5 reports")
+    ranks = ranks_of(proc.pid)
+    assert len(ranks) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, ranks)), "rank processes outlived the killed run"
+    killed_at = reports(tmp_path, "k")
+
+    again = run(command(tmp_path, "k"), prefect_env, tmp_path / "relaunched.log")
+    assert again.wait(timeout=300) == 0, (tmp_path / "relaunched.log").read_text()[-3000:]
+
+    log = (tmp_path / "relaunched.log").read_text()
+    assert f"the run's newest report is ep{killed_at}-" in log
+    got = final_weights(tmp_path, "k")
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+def test_a_killed_rank_ends_the_attempt_cleanly_and_the_retry_resumes_from_the_last_report(
+    tmp_path, prefect_env, reference
+):
+    proc = run(command(tmp_path, "r", retries=1), prefect_env, tmp_path / "run.log")
+    wait(lambda: reports(tmp_path, "r") >= 5, proc, "5 reports")
+    victim = next(p for p in ranks_of(proc.pid) if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]
+
+    log = (tmp_path / "run.log").read_text()
+    assert "train_loop (attempt 2) on 2 process(es): the run's newest report is ep" in log
+    assert ranks_of(proc.pid) == []
+    got = final_weights(tmp_path, "r")
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
