@@ -1,0 +1,59 @@
+"""The first milliseconds of ``python -m flows.train``: what it does before torch, Prefect and the recipe import.
+
+Importing them takes ~2 s here and the pre-flight ~1 s more, while a temporary Prefect server takes 2-15 s to
+start: done one after the other, a run without a running server paid both. So the command, from the package's
+``__init__`` (the first code ``python -m flows.train`` runs), first reads its flags (``--help`` answers here and
+a configuration mistake ends here, with one line, exit code 2, nothing started), then starts the temporary server
+(flows/server.py) as a child process and goes on importing; ``prefect_api`` adopts the server when the flow needs
+it. Nothing here runs for ``import flows...`` in a program, in a test or in a flow-run process: only when this
+interpreter was started as ``python -m flows.train`` (or ``flows.retrain``, which has flags of its own and so
+only gets the early server).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+COMMANDS = ("flows.train", "flows.retrain")
+_SHORT_FLAGS = re.compile(r"^-[bBdEiIOPqsSuvx]*m(.*)$")  # python's flags without an argument, then -m
+
+
+def command_module(orig_argv: list[str]) -> str | None:
+    """The module of ``python [options] -m MODULE ...`` (``sys.orig_argv``), or None for a script or ``-c``."""
+    args = iter(orig_argv[1:])
+    for arg in args:
+        if arg in ("-X", "-W", "--check-hash-based-pycs"):
+            next(args, None)
+            continue
+        m = _SHORT_FLAGS.match(arg)
+        if m:
+            return m.group(1) or next(args, None)
+        if arg in ("-c", "-") or not arg.startswith("-"):
+            return None
+    return None
+
+
+def begin() -> None:
+    """Called by ``flows/__init__.py``; acts only while ``python -m flows.train`` (or retrain) is starting."""
+    if sys.argv[:1] != ["-m"]:  # runpy sets argv[0] to the module's path once the package has been imported
+        return
+    module = command_module(getattr(sys, "orig_argv", []))
+    if module in COMMANDS:
+        start(module, sys.argv[1:])
+
+
+def start(module: str, argv: list[str]) -> None:
+    """What command ``module`` with flags ``argv`` does first: answer ``--help`` or a configuration mistake and
+    exit, else start the temporary server unless a Prefect server is configured or running."""
+    from flows import cli, server
+
+    argv = [a for a in argv if a not in cli.VERBOSE_FLAGS]
+    if any(a in ("-h", "--help") for a in argv) and module != "flows.train":
+        return  # retrain's help needs its own flags: it starts nothing either, later
+    if module == "flows.train":
+        try:
+            cli.parse(argv)  # --help prints and exits 0 here
+        except cli.CONFIG_ERRORS as exc:
+            sys.exit(cli.fail(cli.config_error(exc, argv), 2))
+    server.start_early()
