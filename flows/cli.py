@@ -29,6 +29,7 @@ from training.preemption import EXIT_CODE, Preempted
 
 VERBOSE_FLAGS = ("--verbose", "-v")
 CONFIG_ERRORS = (ValidationError, SettingsError, ConfigError)
+exit_code: int | None = None  # what the last ``run`` returned (flows/launch.py exits with it)
 
 
 def run(
@@ -37,10 +38,12 @@ def run(
     """Parses ``argv`` into a TrainConfig (and the flow's own ``options``, passed to it as keyword arguments),
     runs ``flow`` and prints ``done(result)``; returns the exit code. A temporary Prefect server that
     ``python -m flows.train`` started before its imports (flows/launch.py) is stopped if the run never gets to it."""
+    global exit_code
     verbose = any(a in VERBOSE_FLAGS for a in argv)
     argv = [a for a in argv if a not in VERBOSE_FLAGS]
     try:
-        return _run(flow, argv, done, options, verbose)
+        exit_code = _run(flow, argv, done, options, verbose)
+        return exit_code
     finally:
         server.discard_early()
 

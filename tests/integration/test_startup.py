@@ -27,8 +27,9 @@ SERVER_LINE = re.compile(r"starting a temporary Prefect server on http://127\.0\
 
 
 def bare_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """No PREFECT_API_URL and nothing on PREFECT_PORT: whatever needs a server must start one itself."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "TRAIN_"))}
+    """No PREFECT_API_URL and nothing on PREFECT_PORT: whatever needs a server must start one itself. Output
+    buffered as in a pipeline (``python -m flows.train | tee log``), whatever this process was given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "TRAIN_")) and k != "PYTHONUNBUFFERED"}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_PORT=str(free_port()), PYTHONPATH=str(ROOT),
                TRAIN_ALLOWED_RECIPES=TEST_RECIPES, **extra)  # fmt: skip
     return env
