@@ -131,9 +131,13 @@ atexit.register(discard_early)
 
 @contextlib.contextmanager
 def prefect_api(patience: float = PATIENCE) -> Iterator[str]:
-    """Yields the API URL this process talks to for the duration of the block."""
+    """Yields the API URL this process talks to for the duration of the block (and makes its flow runs end
+    without waiting on their heartbeat thread: flows/heartbeat.py)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from flows import heartbeat
+
+    heartbeat.install()
     global _early
     early, _early = _early, None
     configured = PREFECT_API_URL.value()

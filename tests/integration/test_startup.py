@@ -205,3 +205,33 @@ def test_train_from_python_waits_for_a_server_slower_than_prefects_own_timeout(t
     assert "result 1" in out
     assert "still starting the temporary Prefect server" in out  # it said why it waited
     assert gone_within(servers, 5)
+
+
+def test_a_flow_run_still_sends_heartbeats_and_ends_without_waiting_on_their_thread(prefect_harness, tmp_path):
+    """flows/heartbeat.py: the heartbeat thread that the restart automation relies on still reports to the server,
+    and is stopped and joined when the flow returns (without the second-long sleep Prefect 3.8's has)."""
+    import threading
+    import uuid
+
+    import prefect.flow_engine
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from prefect.events.schemas.events import ResourceSpecification
+
+    from flows import heartbeat
+    from flows.train import TrainConfig, train
+
+    name = f"hb-{uuid.uuid4().hex[:8]}"
+    train(TrainConfig(run_name=name, recipe="synthetic", max_duration="1ep", save_folder=str(tmp_path / "runs")))
+
+    assert prefect.flow_engine._send_heartbeats is heartbeat.send_heartbeats  # installed by train()'s API set-up
+    assert not [t for t in threading.enumerate() if t.name == heartbeat.THREAD_NAME]  # stopped and joined
+    wanted = EventFilter(
+        event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+        resource=EventResourceFilter(labels=ResourceSpecification({"prefect.resource.name": name})),
+    )
+    deadline = time.monotonic() + 60  # the server persists events in batches
+    with get_client(sync_client=True) as client:
+        while not (beats := client.read_events(filter=wanted, limit=10).events) and time.monotonic() < deadline:
+            time.sleep(1)
+    assert beats, "no heartbeat of the flow run reached the server"
