@@ -6,8 +6,8 @@ start: done one after the other, a run without a running server paid both. So th
 a configuration mistake ends here, with one line, exit code 2, nothing started), then starts the temporary server
 (flows/server.py) as a child process and goes on importing; ``prefect_api`` adopts the server when the flow needs
 it. Nothing here runs for ``import flows...`` in a program, in a test or in a flow-run process: only when this
-interpreter was started as ``python -m flows.train`` (or ``flows.retrain``, which has flags of its own and so
-only gets the early server).
+interpreter was started as ``python -m flows.train`` or ``python -m flows.retrain`` (whose own flags are in
+flows/options.py, light too).
 """
 
 from __future__ import annotations
@@ -51,15 +51,13 @@ def start(module: str, argv: list[str]) -> None:
     exit, else start the temporary server unless a Prefect server is configured or running."""
     atexit.register(_exit_without_teardown)  # registered first: runs after every other exit handler
     from flows import cli, server
+    from flows.options import RetrainOptions
 
     argv = [a for a in argv if a not in cli.VERBOSE_FLAGS]
-    if any(a in ("-h", "--help") for a in argv) and module != "flows.train":
-        return  # retrain's help needs its own flags: it starts nothing either, later
-    if module == "flows.train":
-        try:
-            cli.parse(argv)  # --help prints and exits 0 here
-        except cli.CONFIG_ERRORS as exc:
-            sys.exit(cli.fail(cli.config_error(exc, argv), 2))
+    try:
+        cli.parse(argv, RetrainOptions if module == "flows.retrain" else None)  # --help prints and exits 0 here
+    except cli.CONFIG_ERRORS as exc:
+        sys.exit(cli.fail(cli.config_error(exc, argv), 2))
     server.start_early()
 
 

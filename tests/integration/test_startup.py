@@ -95,17 +95,18 @@ def listening(port: str) -> bool:
     return True
 
 
-def flows_train(tmp_path: Path, *args: str, importtime: bool = False, timeout: float = 300):
-    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "flows.train", *args]
+def flows_train(tmp_path: Path, *args: str, importtime: bool = False, timeout: float = 300, module="flows.train"):
+    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", module, *args]
     return subprocess.run(cmd, cwd=ROOT, env=bare_env(tmp_path), capture_output=True, text=True, timeout=timeout)
 
 
-def test_help_answers_without_importing_torch_or_prefect_or_starting_a_server(tmp_path):
-    done = flows_train(tmp_path, "--help", importtime=True, timeout=60)
+@pytest.mark.parametrize(("module", "own_flag"), [("flows.train", "--max_duration"), ("flows.retrain", "--metric")])
+def test_help_answers_without_importing_torch_or_prefect_or_starting_a_server(tmp_path, module, own_flag):
+    done = flows_train(tmp_path, "--help", importtime=True, timeout=60, module=module)
 
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("usage: python -m flows.train")
-    assert "--max_duration" in done.stdout and "--save_folder" in done.stdout
+    assert done.stdout.startswith(f"usage: python -m {module}")
+    assert own_flag in done.stdout and "--save_folder" in done.stdout
     assert not imported(done.stderr) & {"torch", "prefect", "numpy"}
     assert not SERVER_LINE.search(done.stderr)
 
