@@ -74,7 +74,7 @@ class TemporaryServer:
         """Waits until the server answers, as long as its process lives (up to ``patience`` s); returns the
         seconds this call waited. A stop request (SIGTERM) meanwhile raises ``Preempted``."""
         t0 = time.monotonic()
-        note_at = t0 + NOTE_EVERY
+        note_at = self.started + NOTE_EVERY  # from the server's start: an early one started before this wait
         while not healthy(self.url, timeout=1.0):
             preemption.raise_if_requested()
             now = time.monotonic()

@@ -73,6 +73,15 @@ def child_processes(pid: int) -> list[int]:
     return found
 
 
+def cmdline(pid: int) -> bytes:
+    """The command line of ``pid`` (empty once it is gone); a child forked by Popen shows its parent's until it has
+    exec'd, and Popen waits for that exec: a child stopped before it would stop the parent too."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -192,7 +201,7 @@ def test_train_from_python_waits_for_a_server_slower_than_prefects_own_timeout(t
     The server is frozen (SIGSTOP) for 25 s before it can answer, as a loaded machine would delay it."""
     proc = start_python_train(tmp_path, "1ep")
     deadline = time.monotonic() + 120
-    while not (servers := child_processes(proc.pid)):
+    while not (servers := [pid for pid in child_processes(proc.pid) if b"flows.server" in cmdline(pid)]):
         assert proc.poll() is None and time.monotonic() < deadline, "no server child appeared"
         time.sleep(0.02)
     os.kill(servers[0], signal.SIGSTOP)
