@@ -18,6 +18,8 @@ BENCHES = {
     "sharded": "bench.sharded",
     "accumulation": "bench.accumulation",
     "gpt": "bench.gpt",
+    "startup": "bench.startup",
+    "units": "bench.units",
 }
 
 

@@ -55,7 +55,8 @@ def command_line() -> str:
 
 
 def record(title: str, lines: list[str], load_at_start: str) -> None:
-    """Prints the figures and appends them, with the command and machine facts, to bench/RESULTS.md."""
+    """Prints the figures and appends them, with the command and machine facts, to bench/RESULTS.md (not with
+    BENCH_NO_RECORD=1)."""
     block = [
         f"## {title}",
         "",
@@ -67,6 +68,8 @@ def record(title: str, lines: list[str], load_at_start: str) -> None:
         "",
     ]
     print("\n".join(block), flush=True)
+    if os.environ.get("BENCH_NO_RECORD"):  # a trial run: figures on the terminal only
+        return
     with RESULTS.open("a") as f:
         f.write("\n".join(block) + "\n")
 

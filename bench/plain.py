@@ -25,6 +25,7 @@ class PlainRun:
     unit_cpu: list[float] = field(default_factory=list)  # this process's CPU seconds (all its threads)
     unit_losses: list[float] = field(default_factory=list)
     cpu_where: dict[str, float] = field(default_factory=dict)  # filled by a caller that watches the CPU
+    model: torch.nn.Module | None = None  # the trained model, for a caller that evaluates it
 
 
 def train_plain(recipe_args: dict, batch_size: int, seed: int, num_units: int, steps_per_unit: int) -> PlainRun:
@@ -57,6 +58,7 @@ def train_plain(recipe_args: dict, batch_size: int, seed: int, num_units: int, s
                 if len(run.unit_seconds) == num_units:
                     break
         epoch += 1
+    run.model = model
     return run
 
 

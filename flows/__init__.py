@@ -44,3 +44,9 @@ def ship_module_logs() -> None:
         for handler in handlers or [APILogHandler()]:
             if not any(isinstance(h, APILogHandler) for h in logger.handlers) or handler in logger.handlers:
                 logger.addHandler(handler)
+
+
+# `python -m flows.train`: read the flags and start a temporary Prefect server before the heavy imports.
+from flows.launch import begin as _begin  # noqa: E402
+
+_begin()

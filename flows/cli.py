@@ -20,45 +20,86 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import CliSettingsSource, SettingsConfigDict, SettingsError
 
 from checkpointing import CheckpointError, StorageError
+from flows import server
 from flows.server import prefect_api
 from training import preemption
 from training.config import ConfigError, TrainConfig, describe_error, load_config
 from training.config_text import short
 from training.preemption import EXIT_CODE, Preempted
-from training.preflight import preflight
-from training.recipe import allow_recipe
-from training.rollback import pending_roll_back
-from training.session import open_store
-from training.warm_start import check_before_start
 
 VERBOSE_FLAGS = ("--verbose", "-v")
+CONFIG_ERRORS = (ValidationError, SettingsError, ConfigError)
+exit_code: int | None = None  # what the last ``run`` returned (flows/launch.py exits with it)
 
 
 def run(
     flow: Callable[..., Any], argv: list[str], done: Callable[[Any], str], options: type[BaseModel] | None = None
 ) -> int:
     """Parses ``argv`` into a TrainConfig (and the flow's own ``options``, passed to it as keyword arguments),
-    runs ``flow`` and prints ``done(result)``; returns the exit code."""
+    runs ``flow`` and prints ``done(result)``; returns the exit code. A temporary Prefect server that
+    ``python -m flows.train`` started before its imports (flows/launch.py) is stopped if the run never gets to it."""
+    global exit_code
     verbose = any(a in VERBOSE_FLAGS for a in argv)
     argv = [a for a in argv if a not in VERBOSE_FLAGS]
     try:
-        own, argv = flow_options(options, argv)
-        config = load_config(argv)
-        if ":" in config.recipe:
-            allow_recipe(config.recipe)
-        preflight(config)  # a bad recipe or recipe_args fails before a Prefect server is even started
-        check_before_start(config)  # ... and so does a load_path that does not fit the model
-        if config.resume_from:  # ... and a resume_from that names no checkpoint of the run (reads only)
-            pending_roll_back(config, open_store(config))
-    except ValidationError as exc:
+        exit_code = _run(flow, argv, done, options, verbose)
+        return exit_code
+    finally:
+        server.discard_early()
+
+
+def parse(argv: list[str], options: type[BaseModel] | None = None) -> tuple[dict[str, Any], TrainConfig]:
+    """The flow's own options and the TrainConfig of ``argv`` (``--help`` prints both and exits); raises one of
+    ``CONFIG_ERRORS``. Imports neither torch nor Prefect: flows/launch.py calls it before they load."""
+    own, argv = flow_options(options, argv)
+    return own, load_config(argv)
+
+
+def config_error(exc: Exception, argv: list[str]) -> str:
+    """The message for one of ``CONFIG_ERRORS``, as the terminal shows it."""
+    if isinstance(exc, ValidationError):
         lines = describe_error(exc)
-        return _fail(lines if "\n" not in lines else f"invalid configuration:\n{lines}", 2)
-    except SettingsError as exc:
-        return _fail(_settings_error(exc, argv), 2)
-    except ConfigError as exc:
-        return _fail(str(exc), 2)
+        return lines if "\n" not in lines else f"invalid configuration:\n{lines}"
+    if isinstance(exc, SettingsError):
+        return _settings_error(exc, argv)
+    return str(exc)
+
+
+def check_before_prefect(config: TrainConfig) -> None:
+    """What fails at once, before a flow run exists: a recipe that may not run here or whose arguments do not
+    build, a load_path that does not fit the model, a resume_from that names no checkpoint of the run. Imports
+    torch and the recipe (the temporary server, started already, comes up meanwhile)."""
+    from training.preflight import preflight
+    from training.recipe import allow_recipe
+    from training.rollback import pending_roll_back
+    from training.session import open_store
+    from training.warm_start import check_before_start
+
+    if ":" in config.recipe:
+        allow_recipe(config.recipe)
+    preflight(config)  # a bad recipe or recipe_args fails before the flow run is created
+    check_before_start(config)  # ... and so does a load_path that does not fit the model
+    if config.resume_from:  # ... and a resume_from that names no checkpoint of the run (reads only)
+        pending_roll_back(config, open_store(config))
+
+
+def _run(
+    flow: Callable[..., Any],
+    argv: list[str],
+    done: Callable[[Any], str],
+    options: type[BaseModel] | None,
+    verbose: bool,
+) -> int:
+    try:
+        own, config = parse(argv, options)
+    except CONFIG_ERRORS as exc:
+        return fail(config_error(exc, argv), 2)
+    try:
+        check_before_prefect(config)
+    except CONFIG_ERRORS as exc:
+        return fail(config_error(exc, argv), 2)
     except (CheckpointError, StorageError) as exc:
-        return _fail(f"run {config.run_name!r}: {exc}", 1)
+        return fail(f"run {config.run_name!r}: {exc}", 1)
     try:
         with preemption.handling(config.preemption_signals):  # a SIGTERM while Prefect starts: leave, saying so
             preemption.raise_if_requested()
@@ -68,14 +109,14 @@ def run(
                     quiet_console_tracebacks()
                 result = flow(config, **own)
     except Preempted as exc:
-        return _fail(f"run {config.run_name!r} {exc.describe()}; run the same command again to resume", EXIT_CODE)
+        return fail(f"run {config.run_name!r} {exc.describe()}; run the same command again to resume", EXIT_CODE)
     except ConfigError as exc:
-        return _fail(str(exc), 2)
+        return fail(str(exc), 2)
     except (CheckpointError, StorageError) as exc:
-        return _fail(f"run {config.run_name!r}: {exc}", 1)
+        return fail(f"run {config.run_name!r}: {exc}", 1)
     except Exception as exc:
         hint = "" if verbose else " (the traceback is in the flow run's Prefect logs; --verbose prints it here)"
-        return _fail(f"run {config.run_name!r} did not complete: {type(exc).__name__}: {exc}{hint}", 1)
+        return fail(f"run {config.run_name!r} did not complete: {type(exc).__name__}: {exc}{hint}", 1)
     print(done(result))
     return 0
 
@@ -137,7 +178,7 @@ def _settings_error(exc: SettingsError, argv: list[str]) -> str:
     return f"{field}={short(given)}: use a JSON object, e.g. --{field} '{{\"hidden\": 64}}'"
 
 
-def _fail(message: str, code: int) -> int:
+def fail(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
 

@@ -21,31 +21,18 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import BaseModel, Field
-from pydantic_settings import SettingsConfigDict
+from pydantic import BaseModel
 
 from checkpointing import validate_name
 from checkpointing.release import Release, ReleaseFile
 from flows import cli, ship_module_logs
+from flows.options import RetrainOptions
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 from training.session import store_retry
 
 # Named, not __name__: a worker loads this file from its deployment's entrypoint as a module named "retrain".
 logger = logging.getLogger("flows.retrain")
-
-
-class RetrainOptions(BaseModel):
-    """One tick of scheduled retraining: warm-start from <save_folder>/release.json, train, and promote the
-    new model only if its metric is not worse."""
-
-    model_config = SettingsConfigDict(extra="forbid", cli_prog_name="python -m flows.retrain")
-
-    metric: str = Field("accuracy", description="The evaluation metric that decides the promotion.")
-    higher_is_better: bool = Field(True, description="Whether a higher metric is better (false: lower, e.g. loss).")
-    run_prefix: str = Field(
-        "retrain", description="A tick's run is named <run_prefix>-<scheduled time, UTC>-<flow-run id, 8 digits>."
-    )
 
 
 DEFAULTS = RetrainOptions()
