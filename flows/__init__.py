@@ -15,6 +15,14 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "training,checkpointing,tasks,flows")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
-for _name in ("training", "checkpointing", "tasks", "flows"):
-    if logging.getLogger(_name).level == logging.NOTSET:
-        logging.getLogger(_name).setLevel(logging.INFO)
+
+def product_logs_at_info() -> None:
+    """The product's loggers at INFO unless set otherwise (Python's default, WARNING, would drop the unit lines).
+    A flow-run process may run Prefect's logging set-up after this package was imported, which resets the levels
+    of loggers it does not name: a flow that needs its lines calls this again when it starts."""
+    for name in ("training", "checkpointing", "tasks", "flows"):
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
+product_logs_at_info()
