@@ -48,16 +48,17 @@ class Stack:
 
     home: Path
     port: int = 4200
+    host: str = "127.0.0.1"  # where the server listens; another address lets other machines (or namespaces) in
     extra_env: dict[str, str] = field(default_factory=dict)
     database_url: str | None = None  # None: SQLite at $PREFECT_HOME/prefect.db. A secret: see postgres.redact
 
     @property
     def ui_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
+        return f"http://{self.host}:{self.port}/api"
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(DATABASE_SETTINGS)}
@@ -96,10 +97,10 @@ class Stack:
 
 
 def start_server(stack: Stack, log: Path | None = None) -> subprocess.Popen:
-    """``prefect server start`` on 127.0.0.1:<port>, on the stack's database."""
+    """``prefect server start`` on <host>:<port> (127.0.0.1 unless the stack says), on the stack's database."""
     stack.home.mkdir(parents=True, exist_ok=True)
     return _spawn(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(stack.port)],
+        [sys.executable, "-m", "prefect", "server", "start", "--host", stack.host, "--port", str(stack.port)],
         stack.server_env(),
         log,
     )
@@ -231,7 +232,7 @@ def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subproc
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    stack = Stack(home=args.home.resolve(), port=args.port)
+    stack = Stack(home=args.home.resolve(), port=args.port, host=args.host)
     if args.command == "deploy":
         _deploy_all(stack)
         print(where_the_ui_is(stack))
@@ -273,6 +274,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("command", choices=["up", "server", "deploy", "worker"])
     parser.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", "4200")))
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("STACK_HOST") or "127.0.0.1",
+        help="the server's address, for every command (default: $STACK_HOST, else 127.0.0.1); workers on other "
+        "machines need one they reach (docs/multinode.md)",
+    )
     parser.add_argument("--home", type=Path, default=ROOT / ".prefect")
     parser.add_argument(
         "--database",
@@ -328,7 +335,7 @@ def _deploy_all(stack: Stack) -> None:
     create_pool(stack)
     deploy(stack)
     print(install_automations(stack), end="")
-    print("deployed: train/default, retrain/nightly (cron 0 3 * * * UTC) on work pool", POOL)
+    print("deployed: train/default, rank-node/default, retrain/nightly (cron 0 3 * * * UTC) on work pool", POOL)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,16 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", ",".join(PRODUCT_LOGGERS)
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 
-def _at_info() -> None:
+def product_logs_at_info() -> None:
+    """The product's loggers at INFO unless set otherwise (Python's default, WARNING, would drop the unit lines).
+    A flow-run process may run Prefect's logging set-up after this package was imported, which resets the levels
+    of loggers it does not name: a flow that needs its lines calls this again when it starts."""
     for name in PRODUCT_LOGGERS:
         if logging.getLogger(name).level == logging.NOTSET:
             logging.getLogger(name).setLevel(logging.INFO)
 
 
-_at_info()
+product_logs_at_info()
 
 
 def ship_module_logs() -> None:
@@ -36,7 +39,7 @@ def ship_module_logs() -> None:
     started it: a worker's flow-run process may run a flow unpickled from a bundle, without this module's import."""
     from prefect.logging.handlers import APILogHandler
 
-    _at_info()
+    product_logs_at_info()
     # Prefect's own handler instances (what its logging set-up gives extra loggers): adding them twice is a no-op.
     handlers = [h for h in logging.getLogger("prefect.extra").handlers if isinstance(h, APILogHandler)]
     for name in PRODUCT_LOGGERS:

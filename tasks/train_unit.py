@@ -18,6 +18,7 @@ from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 
 from checkpointing import FencedError, NotACheckpointError, PermanentStorageError, UnsafeCheckpointError
+from tasks.nodes import node_launcher
 from training.config import ConfigError, TrainConfig
 from training.evaluation import evaluate_checkpoint
 from training.loop import UnitResult
@@ -53,7 +54,7 @@ def train_unit(
     ``on_report`` (in-process, e.g. the flow's UI report) sees each committed checkpoint as a UnitResult."""
     try:
         result = execute_unit(config, unit=unit, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
-                              generation=generation, on_report=on_report)  # fmt: skip
+                              generation=generation, on_report=on_report, launch_nodes=node_launcher)  # fmt: skip
     except Exception as exc:
         _failures[task_run.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         raise

@@ -16,6 +16,10 @@ Nothing outlives the parent: torchrun dies with it (``PR_SET_PDEATHSIG``), and s
 
 A stop request of the parent (a termination signal, a newer attempt taking over) is forwarded to rank 0; the ranks
 agree on it at their next step boundary (training/preemption.py).
+
+Across machines (``nnodes > 1``) this process is node 0: its torchrun hosts the rendezvous it chose, and the other
+nodes are started (and stopped with the gang) by a ``NodeLauncher`` that the caller hands in — Prefect flow runs,
+from tasks/nodes.py — each with an offer signed for it (training/nodes.py). A node that ends early ends the gang.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from training import preemption
+from training import nodes, preemption
 from training.config import ConfigError, TrainConfig
 from training.errors import error_from_record
 from training.loop import UnitResult
@@ -49,6 +53,8 @@ logger = logging.getLogger(__name__)
 ADDRESS_ENV, TOKEN_ENV, FOLDER_ENV = "TRAIN_GANG_ADDRESS", "TRAIN_GANG_TOKEN", "TRAIN_GANG_FOLDER"
 START_TIMEOUT = 300.0  # seconds for torchrun's ranks to start and rank 0 to call back (imports on a loaded machine)
 MAX_MESSAGE = 64 * 1024 * 1024  # a result or report line; anything longer is not rank 0's
+NODE_CHECK_EVERY = 2.0  # seconds between looks at the other nodes' runs (nnodes > 1)
+NODE_EXIT_GRACE = 30.0  # seconds for the other nodes to end by themselves after a clean exit, before they are stopped
 
 
 class DistributedUnitError(RuntimeError):
@@ -59,8 +65,10 @@ class DistributedUnitError(RuntimeError):
 class Gang:
     """torchrun's ranks for one attempt of one run (``key``), and the socket to its rank 0."""
 
-    def __init__(self, config: TrainConfig, key: tuple):
-        self.key, self.config = key, config
+    def __init__(self, config: TrainConfig, key: tuple, generation: int = 0,
+                 launcher: nodes.NodeLauncher | None = None):  # fmt: skip
+        self.key, self.config, self.generation, self.launcher = key, config, generation, launcher
+        self._node_check = 0.0
         _remove_stale_folders()
         self._folder = tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         self._token = secrets.token_hex(16)
@@ -75,8 +83,7 @@ class Gang:
 
     # -- start ------------------------------------------------------------------------------------
     def _launch(self) -> subprocess.Popen:
-        if self.config.nnodes > 1:
-            raise ConfigError(f"nnodes={self.config.nnodes}: training across machines is not available in this build")
+        secret = nodes.node_secret() if self.config.nnodes > 1 else ""  # before anything is started
         folder = Path(self._folder.name)
         config_file = folder / "config.json"
         config_file.write_text(self.config.model_dump_json())  # storage_options excluded: passed by environment
@@ -88,11 +95,18 @@ class Gang:
         env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), resolve_recipe(self.config.recipe)]))
         env.update({ADDRESS_ENV: f"127.0.0.1:{self._listener.getsockname()[1]}", TOKEN_ENV: self._token,
                     FOLDER_ENV: str(folder)})  # fmt: skip
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.config.nproc_per_node}",
-               "--max-restarts=0", "--standalone", "-m", "training.distributed", "--config", str(config_file)]  # fmt: skip
-        logger.info("starting %d rank process(es) with torchrun (kept for the units of this attempt)",
-                    self.config.nproc_per_node)  # fmt: skip
-        return subprocess.Popen(
+        rendezvous = nodes.choose_rendezvous() if self.config.nnodes > 1 else None
+        if rendezvous is None:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.config.nproc_per_node}",
+                   "--max-restarts=0", "--standalone", "-m", "training.distributed", "--config", str(config_file)]  # fmt: skip
+        else:
+            cmd = nodes.torchrun_command(self.config.nproc_per_node, self.config.nnodes, 0, rendezvous.endpoint,
+                                         rendezvous.rdzv_id, str(config_file))  # fmt: skip
+            env = nodes.node_environment(env, rendezvous.address)
+        logger.info("starting %d rank process(es) with torchrun%s (kept for the units of this attempt)",
+                    self.config.nproc_per_node, f" as node 0 of {self.config.nnodes} at {rendezvous.endpoint}"
+                    if rendezvous else "")  # fmt: skip
+        proc = subprocess.Popen(
             cmd,
             env=env,
             stdout=subprocess.PIPE,
@@ -101,13 +115,37 @@ class Gang:
             start_new_session=True,  # its own group: stopping it takes every rank with it
             preexec_fn=die_with_parent,  # torchrun (and, through theirs, its ranks) die with this process
         )
+        if rendezvous is not None:
+            self._start_nodes(proc, rendezvous, secret)
+        return proc
+
+    def _start_nodes(self, proc: subprocess.Popen, rendezvous: nodes.Rendezvous, secret: str) -> None:
+        """The other nodes, each with its signed offer; a failure to start them stops node 0 too."""
+        assert self.launcher is not None, "run_on_gang hands a launcher to every gang with nnodes > 1"
+        config_json = json.loads(self.config.model_dump_json())
+        try:
+            self.launcher.start(nodes.make_offers(self.config, rendezvous, self.generation, config_json, secret),
+                                config_json)  # fmt: skip
+        except BaseException:
+            kill_group(proc.pid)
+            proc.wait()
+            self.launcher.stop()
+            raise
+
+    def _nodes_problem(self) -> str | None:
+        """A line about a node run that ended, looked up at most every NODE_CHECK_EVERY seconds."""
+        if self.launcher is None or time.monotonic() < self._node_check:
+            return None
+        self._node_check = time.monotonic() + NODE_CHECK_EVERY
+        return self.launcher.problem()
 
     def _accept(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while self._conn is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            problem = self._nodes_problem()
+            if self.proc.poll() is not None or time.monotonic() > deadline or problem:
                 self.close()
-                raise self._failure("the ranks did not start")
+                raise self._failure(f"the ranks did not start{f' ({problem})' if problem else ''}")
             ready, _, _ = select.select([self._listener], [], [], 0.2)
             if not ready:
                 continue
@@ -156,6 +194,10 @@ class Gang:
             if not ready:
                 if self.proc.poll() is not None:
                     break
+                problem = self._nodes_problem()
+                if problem:
+                    self.close()
+                    raise self._failure(f"the unit stopped: {problem}")
                 continue
             chunk = self._conn.recv(1 << 20)
             if not chunk:
@@ -223,6 +265,12 @@ class Gang:
         self.proc.wait()
         self._listener.close()
         _GANGS.pop(self.key, None)
+        if self.launcher is not None:
+            launcher, self.launcher = self.launcher, None
+            try:  # the other nodes' runs: ending by themselves after a clean exit, else cancelled now
+                launcher.stop(grace=NODE_EXIT_GRACE if self.proc.returncode == 0 else 0.0)
+            except Exception as exc:  # the API unreachable: each node still stops itself (training/node_run.py)
+                logger.warning("could not stop the other nodes' runs: %s: %s", type(exc).__name__, exc)
 
 
 FOLDER_PREFIX = "resumable-train-gang-"
@@ -248,13 +296,21 @@ def gang_key(config: TrainConfig, generation: int) -> tuple:
 
 
 def run_on_gang(config: TrainConfig, command: dict[str, Any], generation: int,
-                on_report: Callable[[UnitResult], None] | None = None) -> UnitResult:  # fmt: skip
-    """Runs ``command`` on this attempt's gang, starting one (and closing any other) when there is none alive."""
+                on_report: Callable[[UnitResult], None] | None = None,
+                launch_nodes: Callable[[], nodes.NodeLauncher] | None = None) -> UnitResult:  # fmt: skip
+    """Runs ``command`` on this attempt's gang, starting one (and closing any other) when there is none alive.
+    With ``nnodes > 1``, ``launch_nodes`` makes the launcher of the new gang's other nodes."""
     key = gang_key(config, generation)
     gang = _GANGS.get(key)
     if gang is None or not gang.alive:
         close_gangs()
-        gang = _GANGS[key] = Gang(config, key)
+        if config.nnodes > 1 and launch_nodes is None:
+            raise ConfigError(
+                f"nnodes={config.nnodes}: the other nodes are started as Prefect flow runs by the train flow's unit "
+                f"task; run it through flows.train (python -m flows.train, train(), or the train deployment)"
+            )
+        launcher = launch_nodes() if config.nnodes > 1 and launch_nodes is not None else None
+        gang = _GANGS[key] = Gang(config, key, generation, launcher)
     payload = {**command, "config": json.loads(config.model_dump_json()), "generation": generation}
     return gang.run(payload, on_report)
 

@@ -17,6 +17,7 @@ import torch
 from checkpointing.hashing import sha256_hex
 from training.config import ConfigError, TrainConfig
 from training.hooks import Hooks
+from training.nodes import check_multinode
 from training.recipe import describe_recipe, load_recipe, open_dataset, uses_own_loop
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def preflight(config: TrainConfig) -> int:
 
     A recipe with its own ``train_loop`` builds everything inside the loop: only its constructor and the
     options are checked, and 0 is returned (the product never sees its data)."""
+    check_multinode(config)  # several machines: the pool's secret and this node's address are there
     if uses_own_loop(config):
         check_custom_loop(config)
         return 0

@@ -29,6 +29,7 @@ from checkpointing.store import split_run_uri
 from training.config import TrainConfig
 from training.identity import check_same_run
 from training.loop import UnitResult, run_unit
+from training.nodes import NodeLauncher
 from training.overwrite import start_over, starts_over
 from training.preemption import STOP, raise_if_requested
 from training.preflight import preflight
@@ -281,9 +282,11 @@ def overshoot_warning(run: Run) -> str:
 
 
 def execute_unit(config: TrainConfig, *, unit: int, start_checkpoint: str | None = None, attempt: int = 1,
-                 generation: int = 0, on_report: Callable[[UnitResult], None] | None = None) -> UnitResult:  # fmt: skip
+                 generation: int = 0, on_report: Callable[[UnitResult], None] | None = None,
+                 launch_nodes: Callable[[], NodeLauncher] | None = None) -> UnitResult:  # fmt: skip
     """Trains unit ``unit`` (or, for a recipe with its own ``train_loop``, the loop) wherever it runs: in this
-    process, or on this attempt's gang of rank processes. ``on_report`` sees every committed checkpoint."""
+    process, or on this attempt's gang of rank processes. ``on_report`` sees every committed checkpoint;
+    ``launch_nodes`` starts the other machines of a gang with ``nnodes > 1`` (tasks/nodes.py)."""
     distributed = config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp"
     own = uses_own_loop(config)
     if distributed:
@@ -291,7 +294,7 @@ def execute_unit(config: TrainConfig, *, unit: int, start_checkpoint: str | None
 
         command = {"op": "loop" if own else "unit", "unit": unit, "start_checkpoint": start_checkpoint,
                    "attempt": attempt}  # fmt: skip
-        result = run_on_gang(config, command, generation, on_report if own else None)
+        result = run_on_gang(config, command, generation, on_report if own else None, launch_nodes)
     elif own:
         from training.custom_loop import run_custom_loop
 
