@@ -67,8 +67,10 @@ def config_error(exc: Exception, argv: list[str]) -> str:
 
 def check_before_prefect(config: TrainConfig) -> None:
     """What fails at once, before a flow run exists: a recipe that may not run here or whose arguments do not
-    build, a load_path that does not fit the model, a resume_from that names no checkpoint of the run. Imports
+    build, a load_path that does not fit the model, a launch that would continue the run with another model or data order,
+    a resume_from that names no checkpoint of the run. Imports
     torch and the recipe (the temporary server, started already, comes up meanwhile)."""
+    from training.identity import check_same_run
     from training.preflight import preflight
     from training.recipe import allow_recipe
     from training.rollback import pending_roll_back
@@ -79,8 +81,12 @@ def check_before_prefect(config: TrainConfig) -> None:
         allow_recipe(config.recipe)
     preflight(config)  # a bad recipe or recipe_args fails before the flow run is created
     check_before_start(config)  # ... and so does a load_path that does not fit the model
+    store = open_store(config)
+    start = store.latest() if config.autoresume else None
+    if start is not None:  # ... and a launch that would continue the run with another model or data order
+        check_same_run(config, start)
     if config.resume_from:  # ... and a resume_from that names no checkpoint of the run (reads only)
-        pending_roll_back(config, open_store(config))
+        pending_roll_back(config, store)
 
 
 def _run(

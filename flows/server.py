@@ -153,12 +153,38 @@ def prefect_api(patience: float = PATIENCE) -> Iterator[str]:
             yield local
         return
     server = early or TemporaryServer()
+    no_ui = _NoUiLink()
+    flow_runs = logging.getLogger("prefect.flow_runs")
     try:
         server.wait_ready(patience)
+        flow_runs.addFilter(no_ui)
         with temporary_settings(updates={PREFECT_API_URL: server.url}):
             yield server.url
     finally:
+        flow_runs.removeFilter(no_ui)
         server.stop()
+
+
+class _NoUiLink(logging.Filter):
+    """The temporary server serves the API only: Prefect's "View at <url>" line would point at a page that answers
+    404, so it is replaced, once, by where a UI can be had."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("View at "):
+            return True
+        if self.said:
+            return False
+        self.said = True
+        record.msg, record.args = NO_UI, ()
+        return True
+
+
+NO_UI = ("no Prefect UI for this run (a temporary server, API only); for the UI and run history, start "
+         "`make server` in another terminal first, or set PREFECT_API_URL")  # fmt: skip
 
 
 def _api_configured_cheaply() -> bool:

@@ -8,12 +8,13 @@ batch size, world size, retention and storage options may change between launche
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
 from checkpointing import CheckpointInfo
 from training.config import ConfigError, TrainConfig
-from training.recipe import resolve_recipe
+from training.recipe import recipe_class, resolve_recipe
 
 
 def run_identity(config: TrainConfig) -> dict[str, Any]:
@@ -24,6 +25,22 @@ def run_identity(config: TrainConfig) -> dict[str, Any]:
         "seed": config.seed,
         "shuffle": config.shuffle,
     }
+
+
+def recipe_defaults(config: TrainConfig) -> dict[str, Any]:
+    """The recipe's keyword defaults that JSON can carry (what ``recipe_args`` left out means)."""
+    try:
+        parameters = inspect.signature(recipe_class(config)).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    found = {}
+    for p in parameters:
+        if p.default is not inspect.Parameter.empty:
+            try:
+                found[p.name] = json.loads(json.dumps(p.default))
+            except (TypeError, ValueError):
+                continue
+    return found
 
 
 def differences(config: TrainConfig, info: CheckpointInfo) -> list[str]:
@@ -37,9 +54,13 @@ def differences(config: TrainConfig, info: CheckpointInfo) -> list[str]:
     for key, value in mine.items():
         if key == "recipe_args":
             theirs = recorded.get(key) or {}
+            theirs = theirs if isinstance(theirs, dict) else {}
+            # an argument left out is the recipe's default: compare (and show) the values the runs really use
+            defaults = recipe_defaults(config) if recorded.get("recipe") == mine["recipe"] else {}
             for arg in sorted(set(theirs) | set(value)):
-                if theirs.get(arg) != value.get(arg):
-                    found.append(f"recipe_args.{arg}: {theirs.get(arg)!r} -> {value.get(arg)!r}")
+                old, new = theirs.get(arg, defaults.get(arg)), value.get(arg, defaults.get(arg))
+                if old != new:
+                    found.append(f"recipe_args.{arg}: {old!r} -> {new!r}")
         elif recorded.get(key) != value:
             found.append(f"{key}: {recorded.get(key)!r} -> {value!r}")
     return found

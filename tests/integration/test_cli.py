@@ -100,6 +100,8 @@ def test_a_run_on_a_temporary_server_ends_with_its_result_not_log_shipping_error
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Error logging to API" not in done.stdout + done.stderr
+    # The temporary server has no UI: no link to a page that answers 404, but where a UI can be had.
+    assert "View at http" not in done.stdout + done.stderr and "no Prefect UI for this run" in done.stdout + done.stderr
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("run default complete: epoch 1, step 8, 512 samples; eval_loss ")
     suggested = last.rsplit("(list them: ", 1)[1].rstrip(")")
