@@ -20,6 +20,7 @@ BENCHES = {
     "gpt": "bench.gpt",
     "startup": "bench.startup",
     "units": "bench.units",
+    "preemption": "bench.preemption",
 }
 
 

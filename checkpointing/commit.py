@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,17 @@ class PendingCommit:
     progress: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     _future: Future[CheckpointInfo] = field(repr=False, default_factory=Future)
+    started: float = field(default_factory=time.monotonic)
+
+    def when_committed(self, callback: Callable[[float], None]) -> None:
+        """Calls ``callback(seconds)`` once the commit succeeded (at once if it has): seconds from the hand-over to
+        the store to ``latest`` written, an upload in the background included."""
+
+        def done(future: Future[CheckpointInfo]) -> None:
+            if future.exception() is None:
+                callback(time.monotonic() - self.started)
+
+        self._future.add_done_callback(done)
 
     @classmethod
     def of(cls, info: CheckpointInfo) -> PendingCommit:

@@ -207,25 +207,35 @@ def curve_svg(series: dict[str, list[tuple[int, float]]], title: str, width: int
     )
 
 
+def log_axis(ys: list[float]) -> bool:
+    """A log y axis for positive values spanning more than a factor of 10 (on a linear one everything after the
+    first drop is a flat line at the bottom)."""
+    return bool(ys) and min(ys) > 0 and max(ys) / min(ys) > 10
+
+
 def _panel(name: str, points: list[tuple[int, float]], top: int, width: int, height: int) -> str:
     left, right, bottom = 64, 16, top + height - 30
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1e-9
     plot_top = top + 20
+    log = log_axis(ys)  # a loss falling over orders of magnitude stays readable after the first units
+    f = math.log10 if log else float
+    f0, f1 = f(y0), f(y1) if f(y1) > f(y0) else f(y0) + 1e-9
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * (width - left - right)
 
     def sy(y: float) -> float:
-        return plot_top + (y1 - y) / (y1 - y0) * (bottom - plot_top)
+        return plot_top + (f1 - f(y)) / (f1 - f0) * (bottom - plot_top)
 
     color = "#1f77b4" if name == LOSS else "#d62728"
     label = "training loss" if name == LOSS else name
     path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
     dots = "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5"/>' for x, y in points[-60:])
     return (
-        f'<text x="{left}" y="{top + 14}" font-size="12">{html.escape(label)}: {ys[-1]:.4g} at step {xs[-1]}</text>'
+        f'<text x="{left}" y="{top + 14}" font-size="12">{html.escape(label)}: {ys[-1]:.4g} at step {xs[-1]}'
+        f"{' (log scale)' if log else ''}</text>"
         f'<line x1="{left}" y1="{plot_top}" x2="{left}" y2="{bottom}" stroke="black"/>'
         f'<line x1="{left}" y1="{bottom}" x2="{width - right}" y2="{bottom}" stroke="black"/>'
         f'<text x="{left - 4}" y="{plot_top + 4}" text-anchor="end">{y1:.3g}</text>'

@@ -14,7 +14,7 @@ from prefect.runtime import flow_run
 from checkpointing import CheckpointInfo, CheckpointStore
 from flows import artifact_content as content
 from flows.artifact_content import md_code, md_escape
-from flows.restarts import restart_count, retries_of
+from flows.restarts import flow_run_attempt, restart_count, retries_of
 from training.config import TrainConfig
 from training.loop import UnitResult
 
@@ -43,6 +43,16 @@ def unit_retries(run_name: str) -> int | None:
     return sum(retries_of(t.run_count) for t in task_runs if t.name.startswith(f"{run_name}-unit-"))
 
 
+def started_line(started_from: str) -> str:
+    """Where this attempt started: a restarted flow run's later attempt usually starts from a checkpoint its
+    first attempt wrote, which says nothing about where the flow run itself began."""
+    attempt = flow_run_attempt()
+    if attempt <= 1:
+        return f"this flow run started from: {md_escape(started_from)}"
+    return (f"this attempt (flow-run attempt {attempt}) started from: {md_escape(started_from)}; the flow run's earlier "
+            "attempts are in the per-unit table (its attempt column)")  # fmt: skip
+
+
 def summary_markdown(
     config: TrainConfig,
     store: CheckpointStore,
@@ -65,7 +75,7 @@ def summary_markdown(
         f"- store: {md_code(store.uri)}",
         f"- recipe: {md_code(config.recipe)}, max\\_duration {md_code(config.max_duration)}, "
         f"save\\_interval {md_code(config.save_interval)}, global\\_batch\\_size {config.global_batch_size}",
-        f"- this flow run started from: {md_escape(started_from)}; flow-run restarts so far: {restart_count()}",
+        f"- {started_line(started_from)}; flow-run restarts so far: {restart_count()}",
         f"- units trained in this flow run attempt: {len(units)}; resumed from a stored checkpoint: {len(resumed)}",
         f"- unit retries: {'unknown' if retries is None else retries}",
         f"- global batch size changes: {md_escape('; '.join(changes)) if changes else 'none'}",

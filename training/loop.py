@@ -100,7 +100,9 @@ def run_unit(
         if stop is not None and not budget.fits(stop):
             raise _preempted(stop, origin.checkpoint, session, None, cache, budget.why_not(stop))
         pending = _commit(config, store, session, cache, metrics, generation)
-        budget.observe(metrics["checkpoint_seconds"])
+        stall = metrics["checkpoint_seconds"]
+        budget.observe(stall)  # and once an upload in the background is done, the whole commit: a stop waits for it
+        pending.when_committed(lambda seconds: budget.observe(max(seconds, stall)))
         if stop is not None:
             raise _preempted(stop, pending.name, session, metrics["checkpoint_seconds"], cache)
         if is_complete(session.progress, config.duration):
@@ -131,11 +133,15 @@ def run_unit(
 def _preempted(
     stop: Stop, checkpoint: str | None, s: Session, seconds: float | None, cache: SessionCache, note: str = ""
 ) -> Preempted:
-    """The exception that ends a stopped unit; an upload still in flight is finished first (within the grace)."""
+    """The exception that ends a stopped unit; an upload still in flight is finished first (within the grace).
+    ``seconds``: the save's stall; the upload waited for here is added, so the figure is the whole commit's."""
+    started = time.monotonic()
     try:
         cache.committer.wait()
     except Exception as exc:  # that upload is lost; the relaunch resumes from what did commit
         note = f"{note}; the background upload before it failed ({type(exc).__name__})".lstrip("; ")
+    if seconds is not None:
+        seconds += time.monotonic() - started
     return Preempted(stop, checkpoint, s.progress.step, seconds, note)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -218,3 +219,26 @@ def test_the_curves_leave_out_what_a_roll_back_set_aside(tmp_path):
         report = RunReport(config, store, store.latest())
 
     assert list(report.rows) == names[:2]
+
+
+def test_a_loss_over_orders_of_magnitude_is_drawn_on_a_log_axis():
+    """On a linear axis a loss from 10 to 0.01 is one drop then a flat line on the floor: the last units' change
+    is invisible. On the log axis equal ratios are equal heights."""
+    falling = [(i * 10, 10.0 * 0.1 ** (i / 3)) for i in range(10)]  # 10 -> 0.01, a factor 10 every 3 units
+    svg = content.curve_svg({"train_loss": falling}, title="t")
+    heights = [float(xy.split(",")[1]) for xy in ET.fromstring(svg).find(f"{SVG}polyline").get("points").split()]
+    steps = [b - a for a, b in itertools.pairwise(heights)]
+    assert "(log scale)" in svg and max(steps) - min(steps) < 0.5  # the same drop per unit, first to last
+    flat = content.curve_svg({"eval_accuracy": [(1, 0.5), (2, 0.9)]}, title="t")
+    assert "(log scale)" not in flat  # within one order of magnitude: linear
+
+
+def test_the_summary_says_where_this_attempt_started_not_the_flow_run(monkeypatch):
+    from flows import run_summary
+
+    monkeypatch.setattr(run_summary, "flow_run_attempt", lambda: 1)
+    assert run_summary.started_line("fresh initialization") == "this flow run started from: fresh initialization"
+    monkeypatch.setattr(run_summary, "flow_run_attempt", lambda: 3)
+    line = run_summary.started_line("checkpoint ep2-ba16-sa512")
+    assert line.startswith("this attempt (flow-run attempt 3) started from: checkpoint ep2")
+    assert "this flow run started from" not in line
