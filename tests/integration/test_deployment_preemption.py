@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from prefect.client.schemas.objects import StateType
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
 from tests.integration.stack_client import (
+    ROOT,
     SYNTHETIC,
     flow_run_process,
     logs_containing,
@@ -84,8 +87,12 @@ def test_sigkill_restarts_the_run_exactly_once_and_its_history_never_shows_faile
 
     os.kill(victim, signal.SIGKILL)
 
-    wait_for_state(prefect_stack, run_id, StateType.COMPLETED, timeout=400)
+    # How a user of `prefect deployment run` waits for the real outcome: Crashed on the way is not it.
+    waited = subprocess.run([sys.executable, "-m", "deployments.outcome", str(run_id), "--timeout", "400"],
+                            cwd=ROOT, env=prefect_stack.env(), capture_output=True, text=True, timeout=460)  # fmt: skip
+    assert waited.returncode == 0 and waited.stdout.startswith(f"flow run {run_id}: Completed"), waited
     names = state_names(prefect_stack, run_id)
+    assert "Crashed" in names  # the death was seen, and the waiter did not stop there
     assert "Failed" not in names, names
     assert names.count("AwaitingRestart") == 1, names  # one restart, even if the death was reported twice
     store = CheckpointStore(str(folder), "k")
