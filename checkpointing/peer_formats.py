@@ -29,9 +29,11 @@ import safetensors.torch
 import torch
 
 from checkpointing import mindspore_ckpt
+from checkpointing.manifest import MANIFEST
 from checkpointing.peer_folders import Folder, peer_folder_kind, read_folder
 from checkpointing.protocols import is_local_fs, open_url
 from checkpointing.weights import (
+    WEIGHTS_SUFFIXES,
     WRAPPER_PREFIXES,
     Weights,
     WeightsError,
@@ -364,3 +366,37 @@ def _follow_composer_symlink(uri: str, options: dict[str, Any] | None, where: st
 
 def _local_dir(path: str) -> bool:
     return os.path.isdir(path)
+
+
+def is_weights_file(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """True when ``uri`` names a file (or a missing path that looks like one) or a peer's weights folder (Hugging
+    Face ``save_pretrained``, a Ray Train checkpoint: ``checkpointing.peer_folders``), not one of our checkpoint or
+    run folders.
+
+    Anything local that exists and is not a directory counts, FIFOs and devices included, so that
+    ``read_weights`` refuses them by name instead of the folder reader calling them "no checkpoint"."""
+    uri = str(uri).rstrip("/")
+    if uri.endswith(f"/{MANIFEST}"):
+        return False
+    fs, path = open_url(uri, storage_options)
+    if is_local_fs(fs):
+        if os.path.lexists(path):
+            return not os.path.isdir(path) or peer_folder_kind(fs, path) is not None
+    elif fs.isfile(path):
+        return True
+    elif fs.isdir(path):
+        return peer_folder_kind(fs, path) is not None
+    return uri.lower().endswith(WEIGHTS_SUFFIXES) and not fs.exists(path)
+
+
+def read_weights(
+    uri: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    option: str = "load_path",
+    max_bytes: int | None = None,
+) -> Weights:
+    """Reads a weights file, or a peer's weights folder (Hugging Face, Ray), and returns its state_dict. Raises
+    WeightsError (or UnsafeCheckpointError for a pickle that needs code) with one line naming ``option`` and
+    ``uri``. The peers' optimizer state and progress: ``read_peer_checkpoint``."""
+    return read_peer_checkpoint(uri, storage_options, option=option, max_bytes=max_bytes).weights

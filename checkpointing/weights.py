@@ -27,7 +27,6 @@ import safetensors
 import safetensors.torch
 import torch
 
-from checkpointing.manifest import MANIFEST
 from checkpointing.protocols import is_local_fs, open_url
 from checkpointing.safe_types import load_with_peer_types
 from checkpointing.store import CheckpointError, UnsafeCheckpointError
@@ -77,44 +76,6 @@ class LoadReport:
             f"{len(self.mismatched)} of another shape); {self.model_keys - len(self.loaded)} model keys keep their "
             f"initialization ({len(self.missing)} of them missing from the file)"
         )
-
-
-def is_weights_file(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """True when ``uri`` names a file (or a missing path that looks like one) or a peer's weights folder (Hugging
-    Face ``save_pretrained``, a Ray Train checkpoint: ``checkpointing.peer_folders``), not one of our checkpoint or
-    run folders.
-
-    Anything local that exists and is not a directory counts, FIFOs and devices included, so that
-    ``read_weights`` refuses them by name instead of the folder reader calling them "no checkpoint"."""
-    from checkpointing.peer_folders import peer_folder_kind  # it builds on this module's readers
-
-    uri = str(uri).rstrip("/")
-    if uri.endswith(f"/{MANIFEST}"):
-        return False
-    fs, path = open_url(uri, storage_options)
-    if is_local_fs(fs):
-        if os.path.lexists(path):
-            return not os.path.isdir(path) or peer_folder_kind(fs, path) is not None
-    elif fs.isfile(path):
-        return True
-    elif fs.isdir(path):
-        return peer_folder_kind(fs, path) is not None
-    return uri.lower().endswith(WEIGHTS_SUFFIXES) and not fs.exists(path)
-
-
-def read_weights(
-    uri: str,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    option: str = "load_path",
-    max_bytes: int | None = None,
-) -> Weights:
-    """Reads a weights file, or a peer's weights folder (Hugging Face, Ray), and returns its state_dict. Raises
-    WeightsError (or UnsafeCheckpointError for a pickle that needs code) with one line naming ``option`` and
-    ``uri``. The peers' optimizer state and progress: ``checkpointing.peer_formats.read_peer_checkpoint``."""
-    from checkpointing.peer_formats import read_peer_checkpoint  # it builds on this module's readers
-
-    return read_peer_checkpoint(uri, storage_options, option=option, max_bytes=max_bytes).weights
 
 
 def decode_weights_file(data: bytes, where: str) -> tuple[Weights, Any]:

@@ -314,7 +314,7 @@ def load_path_state(config: TrainConfig) -> dict[str, Any]:
     ``resume_from_checkpoint``): the reported state of that checkpoint or run folder, or ``{"model": weights}`` of a
     weights file (or of a folder with ``load_weights_only``)."""
     from checkpointing import open_checkpoint_uri
-    from checkpointing.weights import is_weights_file, read_weights
+    from checkpointing.peer_formats import is_weights_file, read_weights
 
     uri = str(config.load_path)
     if is_weights_file(uri, config.storage_options):

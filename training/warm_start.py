@@ -20,18 +20,9 @@ from typing import Any
 import torch
 
 from checkpointing import CheckpointStore, NotACheckpointError, UnsafeCheckpointError, open_checkpoint_uri
-from checkpointing.peer_formats import PeerCheckpoint, optimizer_state_for, read_peer_checkpoint
+from checkpointing.peer_formats import PeerCheckpoint, is_weights_file, optimizer_state_for, read_peer_checkpoint
 from checkpointing.store import STATE_FILE
-from checkpointing.weights import (
-    LoadReport,
-    Weights,
-    WeightsError,
-    check_match,
-    is_weights_file,
-    load_into,
-    match,
-    tied_keys,
-)
+from checkpointing.weights import LoadReport, Weights, WeightsError, check_match, load_into, match, tied_keys
 from training.carry_over import check_model_fits, check_optimizer_fits, optimizer_param_names, peer_progress
 from training.config import ConfigError, TrainConfig
 from training.progress import Progress, is_complete, rescaled

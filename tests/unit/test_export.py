@@ -16,7 +16,8 @@ import torch
 
 from checkpointing import CheckpointStore, Writer
 from checkpointing.export import export_checkpoint
-from checkpointing.weights import load_into, read_weights
+from checkpointing.peer_formats import read_weights
+from checkpointing.weights import load_into
 from recipes.synthetic import SyntheticRecipe
 from tests.conftest import ROOT
 from tests.interop_stores import STORES, store_root

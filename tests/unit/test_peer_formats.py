@@ -15,9 +15,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from checkpointing.peer_formats import optimizer_state_for, read_peer_checkpoint
+from checkpointing.peer_formats import is_weights_file, optimizer_state_for, read_peer_checkpoint, read_weights
 from checkpointing.safe_types import load_with_peer_types
-from checkpointing.weights import WeightsError, is_weights_file, load_into, read_weights
+from checkpointing.weights import WeightsError, load_into
 from recipes.synthetic import SyntheticRecipe
 from tests.interop_stores import STORES, put, store_root, torch_bytes
 

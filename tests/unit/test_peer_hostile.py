@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from checkpointing import UnsafeCheckpointError
-from checkpointing.peer_formats import read_peer_checkpoint
+from checkpointing.peer_formats import read_peer_checkpoint, read_weights
 from checkpointing.safe_types import load_with_peer_types
-from checkpointing.weights import WeightsError, read_weights
+from checkpointing.weights import WeightsError
 from tests.interop_stores import torch_bytes
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
