@@ -88,6 +88,6 @@ test-deployments: install
 	TEST_STACK_DATABASE=$(or $(DB),sqlite) $(PY) -m pytest -q --durations=0 tests/integration/test_deployments.py
 
 # The Prefect UI read by headless Chromium: a crash-restarted run's artifacts and hostile names (~2 minutes).
-# UPDATE_UI_SCREENSHOTS=1 make test-ui also refreshes the screenshots in docs/ that the README shows.
+# UPDATE_UI_SCREENSHOTS=1 make test-ui also refreshes the screenshots in docs/ that docs/deployments.md shows.
 test-ui: install
 	$(PY) -m pytest -q tests/integration/test_ui.py

@@ -7,7 +7,7 @@ being the one that moved on to "complete", and the curves and metrics pages must
 hands the report hostile names, which must reach the page as text only.
 
 Chromium is installed from Debian's package when missing (tests/integration/browser.py), or the tests skip
-saying why. ``UPDATE_UI_SCREENSHOTS=1`` also copies each page's screenshot to docs/ (shown in the README).
+saying why. ``UPDATE_UI_SCREENSHOTS=1`` also copies each page's screenshot to docs/ (shown in docs/deployments.md).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def decoded_svg_images(page: browser.Page) -> list[int]:
 
 def wait_completed_and_settled(stack, run_id, quiet: float = 15, timeout: float = 300):
     """The run once it is Completed and stays so for ``quiet`` seconds. A killed run may be reported Crashed
-    twice and restarted twice (README, "Restart after a dead machine"): the extra attempt finds the run
+    twice and restarted twice (docs/deployments.md, "Restart after a dead machine"): the extra attempt finds the run
     complete but republishes its artifacts, which the test must not read halfway."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

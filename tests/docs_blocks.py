@@ -1,0 +1,95 @@
+"""The fenced blocks of the project's Markdown pages, and the doc-test marker written right before a fence.
+
+Shared by tests/integration/test_docs.py (which runs every shell block) and tests/unit/test_docs_links.py
+(which reads the pages without running anything). A marker is an HTML comment on the last non-blank line
+before the fence, invisible on GitHub:
+
+    <!-- doc-test: skip (why it cannot run unattended) -->
+    <!-- doc-test: background (waits for "text it prints once it is ready") -->
+    <!-- doc-test: exits 2 -->
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
+MARKER = re.compile(r"^<!--\s*doc-test:\s*(?P<body>.*?)\s*-->$")
+FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
+EXPECT = re.compile(r"^\s*# -> (?P<text>.+?)\s*$")
+
+
+def doc_pages() -> list[Path]:
+    """README.md and every page under docs/, in a stable order."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block: where it starts (1-based line of the fence), its language, text and marker."""
+
+    path: Path
+    line: int
+    lang: str
+    text: str
+    marker: str | None  # the marker's body ("skip (...)", "background (...)", "exits 2"), or None
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def is_shell(self) -> bool:
+        return self.lang in SHELL_LANGUAGES
+
+    @property
+    def script(self) -> str:
+        """What a person types: the block as written; for ``console``, the lines after a ``$ `` prompt."""
+        if self.lang != "console":
+            return self.text
+        return "\n".join(line[2:] for line in self.text.splitlines() if line.startswith("$ "))
+
+    @property
+    def expected(self) -> list[str]:
+        """Output the page promises: ``# -> text`` lines, and a ``console`` block's lines without a prompt."""
+        found = [m["text"] for line in self.text.splitlines() if (m := EXPECT.match(line))]
+        if self.lang == "console":
+            found += [line.strip() for line in self.text.splitlines() if line.strip() and not line.startswith("$ ")]
+        return found
+
+
+def blocks(path: Path) -> tuple[list[Block], list[str]]:
+    """The fenced blocks of ``path``, and the problems found on the way (a marker that no fence follows, an
+    unclosed fence)."""
+    lines = path.read_text().splitlines()
+    found: list[Block] = []
+    problems: list[str] = []
+    pending: tuple[int, str] | None = None  # a marker waiting for its fence
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        marker = MARKER.match(line.strip())
+        fence = FENCE.match(line)
+        if marker:
+            if pending:
+                problems.append(f"{path.name}:{pending[0]}: marker not followed by a fence")
+            pending = (i + 1, marker["body"])
+        elif fence:
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), None)
+            if end is None:
+                problems.append(f"{path.name}:{i + 1}: fence never closed")
+                break
+            body = "\n".join(lines[i + 1 : end]) + "\n"
+            found.append(Block(path, i + 1, fence["lang"], body, pending[1] if pending else None))
+            pending = None
+            i = end
+        elif line.strip() and pending:
+            problems.append(f"{path.name}:{pending[0]}: marker not followed by a fence")
+            pending = None
+        i += 1
+    if pending:
+        problems.append(f"{path.name}:{pending[0]}: marker not followed by a fence")
+    return found, problems
