@@ -13,9 +13,6 @@ import pytest
 from tests.docs_blocks import FENCE, MARKER, ROOT, blocks, doc_pages
 
 README_MAX_LINES = 260
-# docs/preemption.md is written on another branch and lands with it; the README and docs/running.md already link
-# it. Remove this entry once the page is here.
-NOT_YET_HERE = {ROOT / "docs" / "preemption.md"}
 
 LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 CODE_SPAN = re.compile(r"`[^`]*`")
@@ -59,17 +56,9 @@ def test_relative_link_points_to_a_file_that_exists(page: Path, target: str):
         return
     path_part, _, anchor = target.partition("#")
     linked = (page.parent / path_part).resolve() if path_part else page
-    if linked in NOT_YET_HERE:
-        return
     assert linked.exists(), f"{page.relative_to(ROOT)} links {target!r}, which does not exist"
     if anchor and linked.suffix == ".md":
         assert anchor in _anchors(linked), f"{page.relative_to(ROOT)} links {target!r}: no such heading"
-
-
-def test_the_preemption_page_is_still_awaited():
-    """When docs/preemption.md lands, its entry in NOT_YET_HERE goes, so that its links are checked too."""
-    for path in NOT_YET_HERE:
-        assert not path.exists(), f"{path.relative_to(ROOT)} exists now: remove it from NOT_YET_HERE"
 
 
 def test_every_doc_test_marker_is_well_formed_and_placed_right_before_a_fence():
