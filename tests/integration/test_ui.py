@@ -180,7 +180,7 @@ def test_ui_shows_live_progress_curves_and_one_card_each_after_a_crash_restart(c
         "epoch",
         "step",
         "samples",
-        "loss",
+        "train_loss",
         "samples/s",
         "checkpoint s",
         "attempt",
@@ -196,7 +196,7 @@ def test_ui_shows_live_progress_curves_and_one_card_each_after_a_crash_restart(c
     # unit 0 was trained by the killed attempt; the restarted one resumed from its checkpoint
     assert table[0]["attempt"] == "1" and table[0]["resumed from"] == "fresh initialization"
     assert int(table[1]["attempt"]) >= 2 and table[1]["resumed from"] == "checkpoint ep1-ba8-sa256"
-    assert all(float(r["loss"]) > 0 and float(r["checkpoint s"]) >= 0 for r in table)
+    assert all(float(r["train_loss"]) > 0 and float(r["checkpoint s"]) >= 0 for r in table)
 
 
 def test_hostile_names_reach_the_ui_as_text_only(chromium, prefect_stack, tmp_path):
