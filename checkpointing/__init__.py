@@ -34,6 +34,20 @@ __all__ = [
     "StorageError",
     "UnsafeCheckpointError",
     "Writer",
+    "is_weights_file",
     "open_checkpoint_uri",
+    "read_weights",
     "validate_name",
 ]
+
+_LAZY = {"read_weights": "checkpointing.peer_formats", "is_weights_file": "checkpointing.peer_formats"}
+
+
+def __getattr__(name: str) -> object:
+    """``read_weights`` and ``is_weights_file`` (any weights file or peer checkpoint, read without running code),
+    imported on first use: they need torch, which ``python -m checkpointing ls`` never loads."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'checkpointing' has no attribute {name!r}")

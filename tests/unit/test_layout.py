@@ -108,3 +108,14 @@ def test_checkpointing_and_training_never_import_prefect():
 def test_lint_type_checks_every_product_package():
     mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     assert set(PACKAGES) <= set(mypy["files"]) and "pydantic.mypy" in mypy["plugins"]
+
+
+def test_the_weights_readers_are_public_on_the_package_and_load_torch_only_when_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, checkpointing; assert 'torch' not in sys.modules; "
+            "from checkpointing import read_weights, is_weights_file; "
+            "print(read_weights.__name__, is_weights_file.__name__, 'torch' in sys.modules)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["read_weights", "is_weights_file", "True"], done.stderr
