@@ -144,7 +144,7 @@ def report(figures: Figures, job: dict, reps: int, load: str) -> None:
         f"({job['at']:.0%} into unit 1); a Prefect server held by the benchmark; {reps} trial(s) each, medians "
         "(min-max).",
         "",
-        "| store | preemption_signals | SIGTERM -> exit (s) | exit status | steps lost | work lost (s) |",
+        "| store | preemption_signals | SIGTERM -> exit (s) | exit status | steps trained twice | work lost (s) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for (store, variant), trials in figures.trials.items():
@@ -152,9 +152,8 @@ def report(figures: Figures, job: dict, reps: int, load: str) -> None:
         codes = sorted({t.exit_code for t in trials})
         lines.append(
             f"| {store} | {'SIGTERM (default)' if variant == 'feature' else '[] (without)'} | "
-            f"{median([t.exit_seconds for t in trials]):.1f} ({spread([t.exit_seconds for t in trials], '{:.1f}')}) | "
-            f"{', '.join(map(str, codes))} | {median([t.steps_lost for t in trials]):.0f} "
-            f"({spread([float(t.steps_lost) for t in trials], '{:.0f}')}) | {median(lost):.1f} |"
+            f"{spread([t.exit_seconds for t in trials], '{:.1f}')} | {', '.join(map(str, codes))} | "
+            f"{spread([float(t.steps_lost) for t in trials], '{:.0f}')} | {spread(lost, '{:.1f}')} |"
         )
     stops = {t.stop_line for ts in figures.trials.values() for t in ts if t.stop_line}
     if stops:
