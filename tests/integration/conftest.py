@@ -23,6 +23,7 @@ from deployments import postgres
 from deployments import stack as stacks
 from flows.server import free_port
 from tests.conftest import ROOT, TEST_RECIPES
+from tests.procs import alive
 
 # Runs must notice a dead machine within a test's patience: Prefect's floor for the heartbeat is 30 s
 # (prefect.yaml sets 30); 60 s of silence (2 heartbeats) marks a run Crashed.
@@ -91,7 +92,7 @@ class RunningStack:
         tree = [p for proc in self.started for p in [proc.pid, *stacks.descendants(proc.pid)]]
         for proc in reversed(self.started):
             stacks.stop(proc, signal.SIGINT if proc is self.postgres_server else signal.SIGTERM)
-        survivors = [pid for pid in tree if _alive(pid)]
+        survivors = [pid for pid in tree if alive(pid)]
         if self.postgres is not None:  # any process of the cluster, even one that left the tree
             survivors += [pid for pid in processes_mentioning(str(self.postgres.folder)) if pid not in survivors]
             shutil.rmtree(self.postgres.folder, ignore_errors=True)
@@ -107,19 +108,11 @@ def processes_mentioning(text: str) -> list[int]:
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if text.encode() in (entry / "cmdline").read_bytes() and _alive(int(entry.name)):
+            if text.encode() in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
                 found.append(int(entry.name))
         except OSError:
             continue
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def stack_database(module) -> str:

@@ -14,6 +14,7 @@ import pytest
 
 from flows.server import free_port
 from tests.conftest import ROOT, TEST_RECIPES
+from tests.procs import alive, children
 
 pytestmark = pytest.mark.slow
 
@@ -25,26 +26,6 @@ def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_PORT=str(free), PYTHONPATH=str(ROOT),
                TRAIN_ALLOWED_RECIPES=TEST_RECIPES, **extra)  # fmt: skip
     return env
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
 
 
 def test_a_killed_cli_leaves_no_prefect_server_behind(tmp_path):

@@ -25,6 +25,7 @@ from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
 from deployments.stack import descendants
 from tests.conftest import ROOT
+from tests.procs import alive, cmdline
 
 pytestmark = pytest.mark.slow
 RAY = "tests.own_loop_recipes:SlowRayPortRecipe"
@@ -55,22 +56,8 @@ def final_weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
 
 
 def ranks_of(pid: int) -> list[int]:
-    return [p for p in descendants(pid) if b"training.distributed" in _cmdline(p) and b"torch.distributed" not in
-            _cmdline(p)]  # fmt: skip
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return [p for p in descendants(pid) if b"training.distributed" in cmdline(p) and b"torch.distributed" not in
+            cmdline(p)]  # fmt: skip
 
 
 def wait(predicate, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
@@ -98,9 +85,9 @@ def test_sigkill_of_the_run_takes_its_ranks_along_and_the_relaunch_resumes_from_
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 15
-    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+    while any(map(alive, ranks)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(map(_alive, ranks)), "rank processes outlived the killed run"
+    assert not any(map(alive, ranks)), "rank processes outlived the killed run"
     killed_at = reports(tmp_path, "k")
 
     again = run(command(tmp_path, "k"), prefect_env, tmp_path / "relaunched.log")

@@ -36,6 +36,7 @@ import pytest
 from deployments import stack as stacks
 from flows.server import free_port
 from tests.docs_blocks import ROOT, Block, blocks, doc_pages
+from tests.procs import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -204,18 +205,10 @@ class _Terminal:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             deadline = time.monotonic() + STOP_TIMEOUT
-            while (alive := [pid for pid in tree if _alive(pid)]) and time.monotonic() < deadline:
+            while (alive := [pid for pid in tree if alive(pid)]) and time.monotonic() < deadline:
                 time.sleep(0.5)
             for pid in alive:  # reported as a failure; killed so that it does not outlive the test
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             survivors += alive
         return survivors
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

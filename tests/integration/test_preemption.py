@@ -26,6 +26,7 @@ from checkpointing.export import model_weights
 from checkpointing.store import STATE_FILE
 from deployments.stack import descendants
 from tests.conftest import ROOT
+from tests.procs import alive
 from training.preemption import EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -85,14 +86,7 @@ class Launch:
 
     def leftovers(self) -> list[int]:
         time.sleep(0.5)
-        return [pid for pid in self.children if _alive(pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        return [pid for pid in self.children if alive(pid)]
 
 
 def phase(record: Path) -> str:

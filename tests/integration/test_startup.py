@@ -21,6 +21,7 @@ import pytest
 
 from flows.server import free_port
 from tests.conftest import ROOT, TEST_RECIPES
+from tests.procs import alive, children, cmdline
 
 pytestmark = pytest.mark.slow
 SERVER_LINE = re.compile(r"starting a temporary Prefect server on http://127\.0\.0\.1:(\d+)/api")
@@ -56,44 +57,16 @@ def server_processes(port: str) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"flows.server" in argv and port.encode() in argv and _alive(int(entry.name)):
+        if b"flows.server" in argv and port.encode() in argv and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
 
 
-def child_processes(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
-def cmdline(pid: int) -> bytes:
-    """The command line of ``pid`` (empty once it is gone); a child forked by Popen shows its parent's until it has
-    exec'd, and Popen waits for that exec: a child stopped before it would stop the parent too."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def gone_within(pids: list[int], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not any(_alive(p) for p in pids)
+    return not any(alive(p) for p in pids)
 
 
 def listening(port: str) -> bool:
@@ -187,7 +160,7 @@ def test_train_from_python_leaves_no_server_running_after_a_sigkill(tmp_path):
         if "unit 0 (attempt 1)" in line:  # training: the server is up and in use
             break
         assert time.monotonic() < deadline, "the run never started"
-    servers = child_processes(proc.pid)
+    servers = children(proc.pid)
     assert servers, "no server child found"
 
     proc.send_signal(signal.SIGKILL)
@@ -201,7 +174,7 @@ def test_train_from_python_waits_for_a_server_slower_than_prefects_own_timeout(t
     The server is frozen (SIGSTOP) for 25 s before it can answer, as a loaded machine would delay it."""
     proc = start_python_train(tmp_path, "1ep")
     deadline = time.monotonic() + 120
-    while not (servers := [pid for pid in child_processes(proc.pid) if b"flows.server" in cmdline(pid)]):
+    while not (servers := [pid for pid in children(proc.pid) if b"flows.server" in cmdline(pid)]):
         assert proc.poll() is None and time.monotonic() < deadline, "no server child appeared"
         time.sleep(0.02)
     os.kill(servers[0], signal.SIGSTOP)

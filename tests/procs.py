@@ -1,0 +1,41 @@
+"""What the tests read of running processes from /proc (Linux): alive, children, command line. Process trees below a
+pid: ``deployments.stack.descendants``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state first, then the parent pid)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int(_stat_fields(entry.name)[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    """The command line of ``pid`` (empty once it is gone); a child forked by Popen shows its parent's until it has
+    exec'd, and Popen waits for that exec: a child stopped before it would stop the parent too."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
