@@ -205,10 +205,10 @@ class _Terminal:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             deadline = time.monotonic() + STOP_TIMEOUT
-            while (alive := [pid for pid in tree if alive(pid)]) and time.monotonic() < deadline:
+            while (left := [pid for pid in tree if alive(pid)]) and time.monotonic() < deadline:
                 time.sleep(0.5)
-            for pid in alive:  # reported as a failure; killed so that it does not outlive the test
+            for pid in left:  # reported as a failure; killed so that it does not outlive the test
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            survivors += alive
+            survivors += left
         return survivors
