@@ -25,8 +25,13 @@ demo: install
 
 # Everything, the slow end-to-end tests included. tests/integration/test_ui.py (make test-ui) needs headless
 # Chromium: it runs `apt-get install -y chromium` itself when it is missing (root, ~60 s) or skips saying why.
+# JOBS pytest processes (pytest-xdist), each taking whole files (a module's Prefect stack is started once): most
+# end-to-end tests wait on servers, heartbeats and signals rather than the CPU, so 3 on 2 cores take 13 minutes
+# where one takes 27 (bench/RESULTS.md, "Test suite"). JOBS=1 runs it in one process.
+JOBS ?= 3
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(XDIST) --durations=15
 
 # Lint, format check and types (CI runs it before the tests). `make format` rewrites files in place.
 lint: install
@@ -39,7 +44,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 # A local S3 endpoint (moto) on 127.0.0.1:5555 with a bucket 'runs'; prints how to train against it.
 s3: install

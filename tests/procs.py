@@ -3,6 +3,7 @@ pid: ``deployments.stack.descendants``."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -39,3 +40,16 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def started_here(pid: int | str) -> bool:
+    """Whether ``pid`` was started from this pytest process's tree: under pytest-xdist, it carries this worker's
+    ``PYTEST_XDIST_WORKER`` (inherited), so a scan of all /proc never counts another worker's processes. Always true
+    when the suite runs in one process."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return True
+    try:
+        return f"PYTEST_XDIST_WORKER={worker}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
