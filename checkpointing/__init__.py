@@ -15,9 +15,9 @@ from checkpointing.store import (
     LoadedCheckpoint,
     NotACheckpointError,
     UnsafeCheckpointError,
-    open_checkpoint_uri,
     validate_name,
 )
+from checkpointing.uris import open_checkpoint_uri
 
 __all__ = [
     "AccessDeniedError",

@@ -28,10 +28,10 @@ from checkpointing.store import (
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
-    split_run_uri,
     validate_name,
 )
 from checkpointing.untrusted import printable
+from checkpointing.uris import split_run_uri
 
 
 def _run_store(uri: str, options: dict) -> tuple[CheckpointStore, str | None]:

@@ -34,9 +34,9 @@ from checkpointing.store import (
     CheckpointStore,
     CorruptCheckpointError,
     NotACheckpointError,
-    split_run_uri,
     validate_name,
 )
+from checkpointing.uris import split_run_uri
 from checkpointing.weights import WeightsError
 
 FORMATS = ("torch", "safetensors")

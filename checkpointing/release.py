@@ -21,8 +21,9 @@ from typing import Any
 from checkpointing.localfs import UnsafePathError
 from checkpointing.serialization import CheckpointError
 from checkpointing.storage import RetrySettings, Storage
-from checkpointing.store import CHECKPOINTS, split_run_uri, validate_name
+from checkpointing.store import CHECKPOINTS, validate_name
 from checkpointing.untrusted import DamagedFileError, read_json
+from checkpointing.uris import split_run_uri
 
 RELEASE = "release.json"
 MAX_RELEASE_BYTES = 64 * 1024

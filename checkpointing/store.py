@@ -25,7 +25,6 @@ from __future__ import annotations
 import builtins
 import logging
 import numbers
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ from checkpointing.manifest import (
     validate_file_name,
     validate_name,
 )
+from checkpointing.names import checkpoint_name, may_be_past
 from checkpointing.pointer import POINTER
 from checkpointing.rollbacks import ROLLBACKS, RollBacks
 from checkpointing.serialization import (
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
 CHECKPOINTS = "checkpoints"
-_SAMPLES_IN_NAME = re.compile(r"-sa(\d+)(?:-g\d+)?$")
 
 __all__ = [
     "POINTER",
@@ -250,7 +249,7 @@ class CheckpointStore:
         first: builtins.list[str] = []
         if head is not None:
             samples = int(head.progress.get("samples_seen", 0))
-            first = [head.name, *(n for n in names if _may_be_past(n, head.name, samples))]
+            first = [head.name, *(n for n in names if may_be_past(n, head.name, samples))]
             infos = [head, *filter(None, map(self.info, first[1:]))]
             yield from self._verified(infos, deep, roll_backs)
         # Without a usable latest, or when nothing newer than it verifies: every other manifest, newest first.
@@ -536,13 +535,6 @@ class CheckpointStore:
         return CheckpointInfo(name, self.storage.uri(self._key(name)), manifest, sha256_hex(body))
 
 
-def checkpoint_name(progress: dict[str, int]) -> str:
-    """``ep<epoch>-ba<step>-sa<samples seen>``: where training stood, readable in a listing."""
-    return (
-        f"ep{int(progress.get('epoch', 0))}-ba{int(progress.get('step', 0))}-sa{int(progress.get('samples_seen', 0))}"
-    )
-
-
 def read_vouched(storage: Storage, key: str, entry: FileEntry) -> bytes:
     """Reads ``key`` once, hashing as it arrives; CorruptCheckpointError unless size and sha256 match ``entry``.
     A local link or special file reads as missing."""
@@ -556,15 +548,6 @@ def read_vouched(storage: Storage, key: str, entry: FileEntry) -> bytes:
             f"({entry.size} bytes, {entry.sha256[:12]}…)"
         )
     return data
-
-
-def _may_be_past(name: str, head: str, head_samples: int) -> bool:
-    """Whether checkpoint ``name`` may be newer than ``head``: its name says it saw more samples (or says
-    nothing). Reading only those keeps resolving cheap in a run with thousands of checkpoints."""
-    if name == head:
-        return False
-    m = _SAMPLES_IN_NAME.search(name)
-    return m is None or int(m.group(1)) > head_samples
 
 
 def _cross_check_progress(info: CheckpointInfo, state: Any) -> None:
@@ -591,44 +574,3 @@ def _score(info: CheckpointInfo, attribute: str, order: str) -> tuple[int, float
     if value is None:
         return (1, 0.0)
     return (0, -float(value) if order == "max" else float(value))
-
-
-def split_run_uri(uri: str) -> tuple[str, str, str | None]:
-    """``<save_folder>/<run_name>[/checkpoints/<name>[/manifest.json]]`` -> (save_folder, run_name, name)."""
-    uri = str(uri).rstrip("/").removesuffix(f"/{MANIFEST}").rstrip("/")
-    name = None
-    if f"/{CHECKPOINTS}/" in uri:
-        uri, name = uri.rsplit(f"/{CHECKPOINTS}/", 1)
-    if "/" not in uri:
-        raise NotACheckpointError(f"{uri!r}: give <save_folder>/<run_name>, e.g. runs/exp1 or s3://bucket/runs/exp1")
-    folder, run = uri.rsplit("/", 1)
-    return folder, run, name
-
-
-def open_checkpoint_uri(
-    uri: str,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    files: Iterable[str] | None = None,
-    option: str = "load_path",
-) -> LoadedCheckpoint:
-    """Loads a checkpoint named by URI: a checkpoint folder, or a run folder (its latest good one)."""
-    try:
-        folder, run, name = split_run_uri(uri)
-        store = CheckpointStore(folder, validate_name(run, option), storage_options=storage_options)
-    except ValueError as exc:
-        raise NotACheckpointError(f"{option}={uri!r}: {exc}") from exc
-    if name is not None:
-        if store.info(validate_name(name, option)) is None:
-            raise NotACheckpointError(f"{option}={uri!r}: no checkpoint with a readable {MANIFEST} there")
-        return store.load(name, files)
-    if store.storage.exists(POINTER) or store.storage.exists(CHECKPOINTS):
-        loaded = store.load_latest(files)
-        if loaded is not None:
-            return loaded
-        raise NotACheckpointError(f"{option}={uri!r}: the run there has no checkpoint that verifies")
-    raise NotACheckpointError(
-        f"{option}={uri!r}: neither a checkpoint folder (with {MANIFEST}) nor a run folder "
-        f"(with '{POINTER}' or '{CHECKPOINTS}/'); point it at <save_folder>/<run_name> or "
-        f"<save_folder>/<run_name>/{CHECKPOINTS}/<name>"
-    )

@@ -10,93 +10,32 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import json
-import math
 import os
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from checkpointing.protocols import check_store_url
 from checkpointing.store import validate_name
+from training.config_fields import (
+    MAX_BATCH,
+    MAX_SEED,
+    METRIC_NAME,
+    checkpoint_name,
+    export_uri,
+    finite,
+    json_object,
+    optional_finite,
+    recipe_path,
+    store_url,
+)
 from training.config_sources import BoundedCliSource, BoundedEnvSource, check_flag_json, file_source
 from training.config_text import ConfigError, check_keys, short
 from training.durations import MAX_COUNT, Duration, duration_validator, optional_duration_validator
 from training.save_folder import format_save_folder
 
-MAX_SEED = 2**63 - 1  # torch.manual_seed and the sampler's arithmetic take signed 64-bit seeds
-MAX_BATCH = 2**31 - 1
-_RECIPE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
-_METRIC_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]{0,127}$")
 _config_file: contextvars.ContextVar[str | None] = contextvars.ContextVar("config_file", default=None)
 _flags: contextvars.ContextVar[PydanticBaseSettingsSource | None] = contextvars.ContextVar("flags", default=None)
-
-
-def _export_uri(value: str | None) -> str | None:
-    """export_on_complete is a flow-run parameter that names a file to write: keep it to a weights file."""
-    if value is None:
-        return None
-    if not value.lower().endswith((".pt", ".pth", ".safetensors")):
-        raise ValueError(f"export_on_complete={value!r}: name a .pt, .pth or .safetensors file, e.g. s3://b/model.pt")
-    return check_store_url(value, "export_on_complete")
-
-
-def _recipe_path(value: str) -> str:
-    """A registered recipe name ('digits') or an import path ('package.module:ClassName'); whether this
-    process may load it is decided later, against the worker's allow-list (training.recipe)."""
-    module, sep, attr = value.partition(":")
-    if not sep and _RECIPE_NAME.match(value):
-        return value
-    if not sep or not module or not attr or not all(p.isidentifier() for p in [*module.split("."), attr]):
-        raise ValueError(
-            f"recipe={value!r}: use a registered recipe name (e.g. 'digits') or an import path "
-            f"'package.module:ClassName' (e.g. 'recipes.digits:DigitsRecipe')"
-        )
-    return value
-
-
-def _url(option: str):
-    return AfterValidator(lambda v: v if v is None else check_store_url(v, option))
-
-
-def _checkpoint_name(option: str):
-    return AfterValidator(lambda v: v if v is None else validate_name(v, option))
-
-
-def _finite(option: str, low: float, high: float):
-    def check(v: float) -> float:
-        if not math.isfinite(v) or not low <= v <= high:
-            raise ValueError(f"{option}={v!r}: use a number of seconds from {low:g} to {high:g}")
-        return v
-
-    return AfterValidator(check)
-
-
-def _optional_finite(option: str, low: float, high: float):
-    def check(v: float | None) -> float | None:
-        if v is not None and (not math.isfinite(v) or not low <= v <= high):
-            raise ValueError(f"{option}={v!r}: use a number from {low:g} to {high:g}, or leave it unset")
-        return v
-
-    return AfterValidator(check)
-
-
-def _json_object(option: str):
-    def check(v: dict[str, Any]) -> dict[str, Any]:
-        try:
-            text = json.dumps(v, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"{option}: use a JSON object of strings, numbers, booleans, lists and objects ({exc})"
-            ) from None
-        if len(text) > 65536:
-            raise ValueError(
-                f"{option}: {len(text)} characters of JSON; keep it under 65536 (pass a file path instead)"
-            )
-        return v
-
-    return AfterValidator(check)
 
 
 class TrainConfig(BaseSettings):
@@ -115,18 +54,18 @@ class TrainConfig(BaseSettings):
     run_name: Annotated[str, AfterValidator(validate_name)] = Field(
         "default", description="Name of the run; its checkpoints live in <save_folder>/<run_name>/."
     )
-    save_folder: Annotated[str, _url("save_folder")] = Field(
+    save_folder: Annotated[str, store_url("save_folder")] = Field(
         "runs",
         description="Where runs are stored: a local path or any fsspec URL (file://, s3://, memory://; gs:// and "
         "az:// with the gcs / azure extras). Composer's '{run_name}' is substituted (a run already gets its own "
         "folder <save_folder>/<run_name>); its other format variables are refused, naming what to write instead.",
     )
-    recipe: Annotated[str, AfterValidator(_recipe_path)] = Field(
+    recipe: Annotated[str, AfterValidator(recipe_path)] = Field(
         "recipes.digits:DigitsRecipe",
         description="The recipe to train: a registered name ('digits') or an import path 'module:Class' that "
         "the worker allows (entry points 'resumable_train.recipes' or TRAIN_ALLOWED_RECIPES).",
     )
-    recipe_args: Annotated[dict[str, Any], _json_object("recipe_args")] = Field(
+    recipe_args: Annotated[dict[str, Any], json_object("recipe_args")] = Field(
         default_factory=dict, description="Keyword arguments for the recipe's constructor (JSON on the CLI)."
     )
     max_duration: Annotated[str, duration_validator("max_duration")] = Field(
@@ -161,7 +100,7 @@ class TrainConfig(BaseSettings):
         description="Continue the run's latest good checkpoint. If false, a run that already has "
         "checkpoints is refused rather than overwritten.",
     )
-    load_path: Annotated[str | None, _url("load_path")] = Field(
+    load_path: Annotated[str | None, store_url("load_path")] = Field(
         None,
         description="Where to start when the run has no checkpoint yet (ignored, with a warning, once it has): a "
         "checkpoint or run folder URI, or a weights file or folder URI (a state_dict, an export, .safetensors, a "
@@ -170,7 +109,7 @@ class TrainConfig(BaseSettings):
         "weight decay, momentum, betas: as the recipe builds them) win over the checkpoint's, its LR schedule "
         "continues at the carried step, and one line says which values changed.",
     )
-    resume_from: Annotated[str | None, _checkpoint_name("resume_from")] = Field(
+    resume_from: Annotated[str | None, checkpoint_name("resume_from")] = Field(
         None,
         description="Roll the run back: continue it from this checkpoint of the run (a name as "
         "'python -m checkpointing ls' shows it); later checkpoints stop being candidates (recorded in the run "
@@ -251,13 +190,13 @@ class TrainConfig(BaseSettings):
         description="Restarts of a crashed flow run (rescheduled by the deployment's automation) after which "
         "the run ends Failed instead of resuming again.",
     )
-    retry_delay_seconds: Annotated[float, _finite("retry_delay_seconds", 0, 3600)] = Field(
+    retry_delay_seconds: Annotated[float, finite("retry_delay_seconds", 0, 3600)] = Field(
         1.0, description="Base delay of the exponential backoff between unit retries."
     )
     store_retry_attempts: int = Field(
         6, ge=1, le=100, description="Attempts per object-store call on transient faults."
     )
-    store_retry_max_seconds: Annotated[float, _finite("store_retry_max_seconds", 1, 86400)] = Field(
+    store_retry_max_seconds: Annotated[float, finite("store_retry_max_seconds", 1, 86400)] = Field(
         120.0, description="Give up an object-store call (all its attempts) after this long."
     )
     eval_interval: Annotated[str | None, optional_duration_validator("eval_interval")] = Field(
@@ -269,7 +208,7 @@ class TrainConfig(BaseSettings):
     eval_each_unit: bool = Field(
         False, description="Evaluate after every unit: the same as eval_interval=save_interval."
     )
-    grad_clip_norm: Annotated[float | None, _optional_finite("grad_clip_norm", 1e-12, 1e12)] = Field(
+    grad_clip_norm: Annotated[float | None, optional_finite("grad_clip_norm", 1e-12, 1e12)] = Field(
         None,
         description="Clip the global gradient norm (all parameters, every process) to this before each optimizer "
         "step; with fp16 the gradients are unscaled first.",
@@ -290,7 +229,7 @@ class TrainConfig(BaseSettings):
         description="With several processes: ddp (every process holds the whole model; one state.pt) or fsdp (FSDP2 "
         "fully_shard; every process writes its shards of a torch.distributed.checkpoint checkpoint).",
     )
-    preemption_grace_seconds: Annotated[float, _finite("preemption_grace_seconds", 0, 86400)] = Field(
+    preemption_grace_seconds: Annotated[float, finite("preemption_grace_seconds", 0, 86400)] = Field(
         25.0,
         description="Seconds between a termination signal and the SIGKILL that follows it (Kubernetes' "
         "terminationGracePeriodSeconds is 30 by default; Slurm: the N of --signal=TERM@N). On the signal, training "
@@ -310,7 +249,7 @@ class TrainConfig(BaseSettings):
         description="Fault injection for demos and tests: the first attempt of the unit that reaches "
         "this global step raises right after the step. Off by default.",
     )
-    export_on_complete: Annotated[str | None, AfterValidator(_export_uri)] = Field(
+    export_on_complete: Annotated[str | None, AfterValidator(export_uri)] = Field(
         None,
         description="When the run completes, write its final weights with recipe, recipe_args and product version "
         "to this file URI (.pt/.pth: torch.save; .safetensors).",
@@ -334,7 +273,7 @@ class TrainConfig(BaseSettings):
     @field_validator("checkpoint_score_attribute")
     @classmethod
     def _metric_name(cls, v: str | None) -> str | None:
-        if v is not None and not _METRIC_NAME.match(v):
+        if v is not None and not METRIC_NAME.match(v):
             raise ValueError(f"checkpoint_score_attribute={v!r}: use a metric name such as 'loss' or 'eval_accuracy'")
         return v
 

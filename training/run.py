@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from checkpointing import CheckpointInfo, CheckpointStore
 from checkpointing.export import export_checkpoint
 from checkpointing.fencing import LEASE_STALE, Lease
-from checkpointing.store import split_run_uri
+from checkpointing.uris import split_run_uri
 from training.config import TrainConfig
 from training.identity import check_same_run
 from training.loop import UnitResult, run_unit
