@@ -31,7 +31,7 @@ from flows.restarts import (
     superseded_by_this_flow_run,
 )
 from flows.server import prefect_api
-from tasks import evaluate, unit_task
+from tasks import evaluate, unit_outcome, unit_task
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.preemption import Preempted
@@ -91,10 +91,10 @@ def _train(config: TrainConfig, run: Run) -> TrainResult:
             stopped_between_units(run)
             result = task(config, unit=run.next_unit, start_checkpoint=run.head, generation=run.generation,
                           on_report=report.unit_done)  # fmt: skip
-            run.record(result)
+            run.record(unit_outcome(result))
         metrics = run.final_metrics()
         if metrics is None and run.head is not None:
-            metrics = evaluate(config, run.head)
+            metrics = unit_outcome(evaluate(config, run.head))
         report.finish(run.units, metrics or {}, started_from=run.started_from)
         return run.finish(metrics or {})
     except Preempted as stop:

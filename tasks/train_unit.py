@@ -1,20 +1,23 @@
 """The unit task: resolve the latest good checkpoint, train one unit (or a recipe's own loop), commit, report.
 
 Because every attempt starts by resolving the run's latest checkpoint, a Prefect retry is an autoresume.
-Configuration mistakes, unsafe checkpoints and fenced (stale) writers are not retried; neither is a preemption
-(``Preempted``, a BaseException: the flow decides what happens next).
+Configuration mistakes, unsafe checkpoints and fenced (stale) writers are not retried; neither is a preemption:
+a unit stopped on request ends its task run Cancelled, named ``Preempted``, with the ``Preempted`` stop as its data,
+which ``unit_outcome`` raises again in the flow (the flow decides what happens next). Raised out of the task instead,
+Prefect's task engine would show every polite stop as Crashed, the state of a process that died.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.runtime import task_run
+from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
 from checkpointing import FencedError, NotACheckpointError, PermanentStorageError, UnsafeCheckpointError
@@ -22,10 +25,13 @@ from tasks.nodes import node_launcher
 from training.config import ConfigError, TrainConfig
 from training.evaluation import evaluate_checkpoint
 from training.loop import UnitResult
+from training.preemption import Preempted
 from training.run import execute_unit
 
 # Mistakes and permanent conditions: a retry would fail the same way, after a backoff and a wall of tracebacks.
 _NOT_RETRIED = (ConfigError, UnsafeCheckpointError, FencedError, NotACheckpointError, PermanentStorageError)
+T = TypeVar("T")
+PREEMPTED, SUPERSEDED = "Preempted", "Superseded"  # the names of a stopped task run's state (a Cancelled one)
 JITTER = 0.5  # each retry waits its exponential delay times a random factor in [1, 1 + JITTER]
 _JITTER = random.SystemRandom()  # never the training thread's generator (training/rng.py)
 
@@ -49,16 +55,32 @@ def train_unit(
     start_checkpoint: str | None = None,
     generation: int = 0,
     on_report: Callable[[UnitResult], None] | None = None,
-) -> UnitResult:
+) -> UnitResult | State:
     """Train unit ``unit`` of the run (or the recipe's own loop), resuming from its newest good checkpoint.
     ``on_report`` (in-process, e.g. the flow's UI report) sees each committed checkpoint as a UnitResult."""
     try:
         result = execute_unit(config, unit=unit, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
                               generation=generation, on_report=on_report, launch_nodes=node_launcher)  # fmt: skip
+    except Preempted as stop:
+        return stopped(stop)
     except Exception as exc:
         _failures[task_run.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         raise
     result.previous_failure = _failures.pop(task_run.id, "") if result.attempt > 1 else ""
+    return result
+
+
+def stopped(stop: Preempted) -> State:
+    """The final state of a task run that stopped on request: Cancelled, named Preempted (a termination signal) or
+    Superseded (a newer attempt took the run over), carrying the stop."""
+    return Cancelled(name=PREEMPTED if stop.stop.kind == "signal" else SUPERSEDED, message=str(stop), data=stop)
+
+
+def unit_outcome(result: T | State) -> T:
+    """What a unit or evaluation task returned, or the ``Preempted`` it stopped with, raised again."""
+    if isinstance(result, State):
+        result.result(raise_on_failure=True)  # raises the state's data: the Preempted stop
+        raise RuntimeError(f"a task ended {result.name!r} without its stop")  # a broken invariant, not user input
     return result
 
 
@@ -90,9 +112,12 @@ def unit_task(config: TrainConfig):
     retry_delay_seconds=1,
     retry_condition_fn=retry_unless_permanent,
 )
-def evaluate(config: TrainConfig, checkpoint_name: str) -> dict[str, float]:
+def evaluate(config: TrainConfig, checkpoint_name: str) -> dict[str, float] | State:
     """Evaluate a committed checkpoint on the recipe's eval split; metrics named ``eval_<metric>``."""
-    metrics = {f"eval_{k}": v for k, v in evaluate_checkpoint(config, checkpoint_name).items()}
+    try:
+        metrics = {f"eval_{k}": v for k, v in evaluate_checkpoint(config, checkpoint_name).items()}
+    except Preempted as stop:
+        return stopped(stop)
     get_run_logger().info(
         "evaluation of %s: %s",
         checkpoint_name,

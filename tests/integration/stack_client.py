@@ -17,6 +17,7 @@ from prefect.client.schemas.filters import (
     ArtifactFilterKey,
     FlowRunFilter,
     FlowRunFilterDeploymentId,
+    FlowRunFilterId,
     FlowRunFilterParentFlowRunId,
     FlowRunFilterState,
     FlowRunFilterStateType,
@@ -99,6 +100,13 @@ def wait_for_state(stack, run_id: UUID, state: StateType, timeout: float = 240) 
 def state_names(stack, run_id: UUID) -> list[str]:
     with client(stack) as c:
         return [s.name for s in c.read_flow_run_states(run_id)]
+
+
+def task_run_states(stack, run_id: UUID) -> list[tuple[str, str, str]]:
+    """(task run name, state type, state name) of every task run of flow run ``run_id``, all its attempts."""
+    with client(stack) as c:
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    return [(r.name, r.state.type.value, r.state.name) for r in runs if r.state is not None]
 
 
 def logs_of(stack, run_id: UUID) -> str:

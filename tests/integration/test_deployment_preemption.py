@@ -2,7 +2,8 @@
 
 A polite termination of the flow-run process (what a reclaimed spot machine or an evicted pod sends) commits a
 checkpoint at the current step, and the run reschedules itself (``Preempted``, a Scheduled state): the worker
-runs the same flow run again, which resumes at that step; its state history never shows Failed or Crashed, and
+runs the same flow run again, which resumes at that step; its state history never shows Failed or Crashed, the
+unit task it stopped ends Preempted (not Crashed, as Prefect shows an exception that is not an Exception), and
 the final weights are torch.equal to an uninterrupted deployment run's. A SIGKILL (a machine gone) is restarted by
 the automation exactly once, however many Crashed reports the worker sends, and never shows Failed.
 """
@@ -28,6 +29,7 @@ from tests.integration.stack_client import (
     logs_containing,
     start_run,
     state_names,
+    task_run_states,
     wait_for,
     wait_for_state,
 )
@@ -49,6 +51,14 @@ def model_of(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     return store.load(info, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"]
 
 
+def batches(record: Path) -> int:
+    """Batches rank 0 has started (the recipe records each batch's sample ids as it starts)."""
+    try:
+        return len((record / "ids-rank0.txt").read_text().splitlines())
+    except OSError:
+        return 0
+
+
 def in_a_step(record: Path) -> bool:
     try:
         return (record / "phase").read_text().startswith("step")
@@ -62,8 +72,11 @@ def test_sigterm_reschedules_the_run_itself_and_it_completes_bit_identically_nev
     wait_for_state(prefect_stack, reference, StateType.COMPLETED)
     record = tmp_path / "ids"
     run_id = start_run(prefect_stack, "train/default", {"config": paced(folder, "p", record)})
-    wait_for(lambda: (folder / "p" / "latest").exists() and in_a_step(record), 240, "a step of unit 1")
+    # In the first or second of a unit's 4 steps (batches started: 4k+1 or 4k+2): the stop lands inside the unit.
+    wait_for(lambda: (folder / "p" / "latest").exists() and in_a_step(record) and batches(record) % 4 in (1, 2), 240,
+             "the first steps of a unit after the first")  # fmt: skip
     victim = flow_run_process(prefect_stack.worker.pid, run_id)
+    unit = (batches(record) - 1) // 4
 
     os.kill(victim, signal.SIGTERM)
 
@@ -71,6 +84,11 @@ def test_sigterm_reschedules_the_run_itself_and_it_completes_bit_identically_nev
     names = state_names(prefect_stack, run_id)
     assert "Preempted" in names and "Failed" not in names and "Crashed" not in names, names
     assert run.run_count == 2  # the preempted attempt and the one that resumed
+    # The unit stopped by the signal ends its task run Preempted (a Cancelled state), not Crashed like a dead process.
+    tasks = wait_for(lambda: (t := task_run_states(prefect_stack, run_id)) and any(n == "Preempted" for *_, n in t) and t,
+                     30, "the preempted unit's task run state")  # fmt: skip
+    assert (f"p-unit-{unit}", "CANCELLED", "Preempted") in tasks, tasks
+    assert not [t for t in tasks if t[1] in ("CRASHED", "FAILED")], tasks
     logs = logs_containing(prefect_stack, run_id, "preempted by SIGTERM: stopped at step", "the restart will resume")
     assert "starting from checkpoint" in logs
     assert len((record / "ids-rank0.txt").read_text().splitlines()) == STEPS  # no step trained twice
