@@ -19,11 +19,11 @@ from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
 from prefect.states import Scheduled
 
+from tasks.train_unit import PREEMPTED
 from training.preemption import Preempted
 
 logger = logging.getLogger(__name__)
 RESTARTED = "AwaitingRestart"  # the state the restart automation sets (deployments/automations.py)
-PREEMPTED = "Preempted"  # the state a preempted deployment run sets itself
 
 
 def retries_of(run_count: int | None) -> int:

@@ -31,7 +31,9 @@ from training.run import execute_unit
 # Mistakes and permanent conditions: a retry would fail the same way, after a backoff and a wall of tracebacks.
 _NOT_RETRIED = (ConfigError, UnsafeCheckpointError, FencedError, NotACheckpointError, PermanentStorageError)
 T = TypeVar("T")
-PREEMPTED, SUPERSEDED = "Preempted", "Superseded"  # the names of a stopped task run's state (a Cancelled one)
+# The names of a stopped task run's state (a Cancelled one); a preempted deployment run's Scheduled state is named
+# PREEMPTED too (flows/restarts.py).
+PREEMPTED, SUPERSEDED = "Preempted", "Superseded"
 JITTER = 0.5  # each retry waits its exponential delay times a random factor in [1, 1 + JITTER]
 _JITTER = random.SystemRandom()  # never the training thread's generator (training/rng.py)
 

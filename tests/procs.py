@@ -42,14 +42,17 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
-def started_here(pid: int | str) -> bool:
-    """Whether ``pid`` was started from this pytest process's tree: under pytest-xdist, it carries this worker's
-    ``PYTEST_XDIST_WORKER`` (inherited), so a scan of all /proc never counts another worker's processes. Always true
-    when the suite runs in one process."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        return True
+def environ(pid: int | str) -> bytes:
+    """The environment of ``pid``, NUL-separated (empty once it is gone)."""
     try:
-        return f"PYTEST_XDIST_WORKER={worker}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
-        return False
+        return b""
+
+
+def this_worker(environ_entries: list[bytes]) -> bool:
+    """Whether a process with this environment was started from this pytest process's tree: under pytest-xdist it
+    carries this worker's ``PYTEST_XDIST_WORKER`` (inherited), so a scan of all /proc never counts another worker's
+    processes. Always true when the suite runs in one process."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return worker is None or f"PYTEST_XDIST_WORKER={worker}".encode() in environ_entries

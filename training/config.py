@@ -21,13 +21,13 @@ from training.config_fields import (
     MAX_BATCH,
     MAX_SEED,
     METRIC_NAME,
-    checkpoint_name,
     export_uri,
     finite,
     json_object,
     optional_finite,
     recipe_path,
     store_url,
+    valid_checkpoint_name,
 )
 from training.config_sources import BoundedCliSource, BoundedEnvSource, check_flag_json, file_source
 from training.config_text import ConfigError, check_keys, short
@@ -109,7 +109,7 @@ class TrainConfig(BaseSettings):
         "weight decay, momentum, betas: as the recipe builds them) win over the checkpoint's, its LR schedule "
         "continues at the carried step, and one line says which values changed.",
     )
-    resume_from: Annotated[str | None, checkpoint_name("resume_from")] = Field(
+    resume_from: Annotated[str | None, valid_checkpoint_name("resume_from")] = Field(
         None,
         description="Roll the run back: continue it from this checkpoint of the run (a name as "
         "'python -m checkpointing ls' shows it); later checkpoints stop being candidates (recorded in the run "

@@ -46,7 +46,7 @@ def store_url(option: str):
     return AfterValidator(lambda v: v if v is None else check_store_url(v, option))
 
 
-def checkpoint_name(option: str):
+def valid_checkpoint_name(option: str):
     return AfterValidator(lambda v: v if v is None else validate_name(v, option))
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 
@@ -24,6 +23,7 @@ from tests.integration.test_deployments import (  # noqa: F401 - collected here,
     test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_checkpoints,
     test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes,
 )
+from tests.procs import environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -58,15 +58,6 @@ def test_the_server_keeps_its_state_in_postgresql_and_its_password_to_itself(pre
     assert b"***" in postgres.redact(pg.url).encode() and password not in postgres.redact(pg.url).encode()
     for log in prefect_stack.logs.iterdir():
         assert password not in log.read_bytes(), f"{log.name} shows the database password"
-    assert password in _environ(prefect_stack.server.pid)  # the server has it ...
+    assert password in environ(prefect_stack.server.pid)  # the server has it ...
     for pid in [prefect_stack.worker.pid, *processes_mentioning("prefect.engine")]:
-        assert password not in _environ(pid)  # ... the worker and any flow run do not
-
-
-def _environ(pid: int) -> bytes:
-    """The environment of ``pid``; empty once it is gone (a flow run of another test, under pytest-xdist, may end
-    between the scan and the read)."""
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return b""
+        assert password not in environ(pid)  # ... the worker and any flow run do not

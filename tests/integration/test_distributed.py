@@ -15,7 +15,7 @@ import torch
 from checkpointing import CheckpointStore
 from flows.train import train
 from tests.conftest import RECORDING
-from tests.procs import started_here
+from tests.procs import this_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
@@ -81,7 +81,7 @@ def rank_processes(rank: int) -> list[int]:
             b"training.distributed" in cmdline
             and b"torch.distributed.run" not in cmdline
             and (rank is None or f"RANK={rank}".encode() in environ)
-            and started_here(pid)
+            and this_worker(environ)
         ):
             pids.append(int(pid))
     return pids
