@@ -26,6 +26,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from checkpointing import confine
 from checkpointing.protocols import is_local_fs, open_url
 from checkpointing.storage import Storage
 from checkpointing.store import (
@@ -137,6 +138,9 @@ def write_file(uri: str, data: bytes, storage_options: dict[str, Any] | None = N
     if not is_local_fs(fs):
         Storage(uri, storage_options).put("", data)
         return
+    if confine.local_roots() is not None:
+        _write_confined(uri, path, data)
+        return
     if os.path.isdir(path):
         raise WeightsError(f"{uri!r} is a folder; name the file to write, e.g. {uri.rstrip('/')}/model.pt")
     folder = os.path.dirname(os.path.abspath(path))
@@ -150,6 +154,16 @@ def write_file(uri: str, data: bytes, storage_options: dict[str, Any] | None = N
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _write_confined(uri: str, path: str, data: bytes) -> None:
+    """A deployment run's export: written by ``LocalFiles`` from the allowed root, through no link (a folder that
+    became one since the run started is refused), at the moment of the write."""
+    where = f"export_on_complete={uri!r}"
+    if confine.kind(path, where) == "dir":
+        raise WeightsError(f"{uri!r} is a folder; name the file to write, e.g. {uri.rstrip('/')}/model.pt")
+    folder, name = os.path.split(os.path.abspath(path))
+    confine.local_files(folder, where).write(name, data)  # 0o644, as the other exports
 
 
 def _as_strings(metadata: dict[str, Any]) -> dict[str, str]:

@@ -17,7 +17,9 @@ file descriptors (``openat``), so nothing can be swapped in between the check an
 - walking: folders are walked without recursion and at most MAX_TREE_DEPTH deep; a deeper tree is damage,
   reported as TOO_DEEP (1500 nested folders failed every relaunch with RecursionError).
 
-Links at or above the anchor (``save_folder`` itself on another disk, say) are the user's own choice.
+Links at or above the anchor (``save_folder`` itself on another disk, say) are the user's own choice, except for a
+run whose locations are confined to the worker's allowed roots (checkpointing/confine.py): there the anchor is the
+root, and a link anywhere between it and the run folder is LinkedLocationError, for reads and writes alike.
 """
 
 from __future__ import annotations
@@ -50,12 +52,19 @@ class UnsafePathError(FileNotFoundError):
     A FileNotFoundError, so that readers treat it as missing and fall back."""
 
 
-class LocalFiles:
-    """Files under ``anchor/base`` (``base`` may be several components, e.g. the run name)."""
+class LinkedLocationError(RuntimeError):
+    """A location a run's parameters chose became (or holds) a symbolic link below the worker's allowed root: never
+    followed, and permanent (no retry makes it a real folder again)."""
 
-    def __init__(self, anchor: str, base: str = ""):
+
+class LocalFiles:
+    """Files under ``anchor/base`` (``base`` may be several components, e.g. the run name). ``confined``: ``anchor`` is
+    an allowed root, and a link among the ``base`` folders is LinkedLocationError instead of damage."""
+
+    def __init__(self, anchor: str, base: str = "", confined: bool = False):
         self.anchor = os.path.abspath(anchor)
         self.base = [p for p in base.split("/") if p]
+        self.confined = confined
 
     def _parts(self, key: str) -> list[str]:
         parts = self.base + [p for p in key.split("/") if p]
@@ -90,6 +99,11 @@ class LocalFiles:
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not _is_link(fd, part):
                 raise
+            if self.confined and len(parts) <= len(self.base):
+                raise LinkedLocationError(
+                    f"{printable(self._where(parts))} is a symbolic link below the allowed root {self.anchor}; a "
+                    f"deployment run never reads or writes through links there: make it a real folder"
+                ) from exc
             if not create:
                 raise self._damage(parts, "a symbolic link where a folder belongs") from exc
             if len(parts) <= len(self.base):  # the run folder itself: someone's choice, not ours to undo

@@ -25,6 +25,7 @@ from typing import Any
 
 import fsspec
 
+from checkpointing import confine
 from checkpointing.manifest import MANIFEST
 from checkpointing.protocols import is_local_fs, open_url
 from checkpointing.store import CHECKPOINTS, POINTER
@@ -124,6 +125,8 @@ def _weights_files(names: set[str]) -> list[str]:
 def _names(fs: fsspec.AbstractFileSystem, path: str) -> set[str] | None:
     """The names in folder ``path``, or None when it is not a folder (or cannot be listed)."""
     try:
+        if is_local_fs(fs) and confine.local_roots() is not None:  # a deployment run's folder: no link on the way
+            return confine.names(path, f"load_path folder {path!r}")
         if is_local_fs(fs):
             return set(os.listdir(path)) if os.path.isdir(path) else None
         if not fs.isdir(path):

@@ -28,7 +28,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from checkpointing import mindspore_ckpt
+from checkpointing import confine, mindspore_ckpt
 from checkpointing.manifest import MANIFEST
 from checkpointing.peer_folders import Folder, peer_folder_kind, read_folder
 from checkpointing.protocols import is_local_fs, open_url
@@ -365,6 +365,8 @@ def _follow_composer_symlink(uri: str, options: dict[str, Any] | None, where: st
 
 
 def _local_dir(path: str) -> bool:
+    if confine.local_roots() is not None:  # a deployment run's load_path: a link on the way is refused
+        return confine.kind(path, f"load_path={path!r}") == "dir"
     return os.path.isdir(path)
 
 
@@ -380,8 +382,9 @@ def is_weights_file(uri: str, storage_options: dict[str, Any] | None = None) -> 
         return False
     fs, path = open_url(uri, storage_options)
     if is_local_fs(fs):
-        if os.path.lexists(path):
-            return not os.path.isdir(path) or peer_folder_kind(fs, path) is not None
+        confined = confine.local_roots() is not None  # a deployment run's load_path: never looked at through a link
+        if confine.kind(path, f"load_path={uri!r}") is not None if confined else os.path.lexists(path):
+            return not _local_dir(path) or peer_folder_kind(fs, path) is not None
     elif fs.isfile(path):
         return True
     elif fs.isdir(path):

@@ -25,8 +25,9 @@ from tenacity import (
     stop_after_delay,
 )
 
+from checkpointing import confine
 from checkpointing.hashing import BackgroundSha256
-from checkpointing.localfs import LocalFiles
+from checkpointing.localfs import LinkedLocationError, LocalFiles
 from checkpointing.protocols import is_local_fs, protocol_of, with_endpoint_alias
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ _TRANSIENT_ERRNOS = {
     errno.EPIPE,
     errno.ECONNREFUSED,
 }
-_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, LinkedLocationError)
 _NETWORK_ERRORS = {
     "ClientConnectionError",
     "ServerDisconnectedError",
@@ -178,7 +179,8 @@ class Storage:
     """Object-store I/O rooted at one URL. Every call retries transient faults with backoff+jitter.
 
     Local folders go through ``LocalFiles``, which never follows a symbolic link below ``anchor`` (by
-    default the root itself; a CheckpointStore anchors at ``save_folder``, so the run folder is walked too).
+    default the root itself; a CheckpointStore anchors at ``save_folder``, so the run folder is walked too; a
+    deployment run's stores anchor at the worker's allowed root: checkpointing/confine.py).
     On S3, s3fs's and botocore's own retries are turned off (unless the caller set them): this class's
     tenacity policy is the one retry layer, so ``RetrySettings.max_seconds`` bounds a call."""
 
@@ -200,7 +202,9 @@ class Storage:
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.is_local = is_local_fs(self.fs)
         self.local: LocalFiles | None = None
-        if self.is_local:
+        if self.is_local and confine.local_roots() is not None:  # a deployment run: walked from its allowed root
+            self.local = confine.local_files(self.root, self.url)
+        elif self.is_local:
             base = os.path.abspath(fsspec.core.url_to_fs(anchor)[1]) if anchor else self.root
             self.local = LocalFiles(base, os.path.relpath(self.root, base) if base != self.root else "")
         if protocol in ("s3", "s3a") and "retries" not in (storage_options or {}):
@@ -374,6 +378,8 @@ class Storage:
         )
         try:
             return retrying(fn)
+        except LinkedLocationError:
+            raise  # its own line already says what to do
         except FileNotFoundError as exc:
             if not missing_is_error and not no_such_bucket(exc) and not self._missing_bucket():
                 raise

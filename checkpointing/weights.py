@@ -27,6 +27,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from checkpointing import confine
 from checkpointing.protocols import is_local_fs, open_url
 from checkpointing.safe_types import load_with_peer_types
 from checkpointing.store import CheckpointError, UnsafeCheckpointError
@@ -224,9 +225,13 @@ def read_bounded(uri: str, storage_options: dict[str, Any] | None, where: str, m
 
 def _read_local(path: str, where: str, max_bytes: int) -> bytes:
     """Opens first, then checks what was opened (no window to swap the file); O_NONBLOCK keeps a FIFO's
-    open from waiting for a writer."""
+    open from waiting for a writer. A deployment run's file is reached from its allowed root, never through a
+    link (checkpointing/confine.py)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if confine.local_roots() is not None:
+            fd = confine.open_file(path, os.O_RDONLY | os.O_NONBLOCK, where)
+        else:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise WeightsError(f"{where}: no such file") from exc
     except OSError as exc:

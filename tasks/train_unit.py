@@ -21,6 +21,7 @@ from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
 from checkpointing import FencedError, NotACheckpointError, PermanentStorageError, UnsafeCheckpointError
+from checkpointing.localfs import LinkedLocationError
 from tasks.nodes import node_launcher
 from training.config import ConfigError, TrainConfig
 from training.evaluation import evaluate_checkpoint
@@ -29,7 +30,14 @@ from training.preemption import Preempted
 from training.run import execute_unit
 
 # Mistakes and permanent conditions: a retry would fail the same way, after a backoff and a wall of tracebacks.
-_NOT_RETRIED = (ConfigError, UnsafeCheckpointError, FencedError, NotACheckpointError, PermanentStorageError)
+_NOT_RETRIED = (
+    ConfigError,
+    UnsafeCheckpointError,
+    FencedError,
+    NotACheckpointError,
+    PermanentStorageError,
+    LinkedLocationError,  # a location that became a link: training/trust.py
+)
 T = TypeVar("T")
 # The names of a stopped task run's state (a Cancelled one); a preempted deployment run's Scheduled state is named
 # PREEMPTED too (flows/restarts.py).

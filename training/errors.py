@@ -21,6 +21,7 @@ from checkpointing import (
     StorageError,
     UnsafeCheckpointError,
 )
+from checkpointing.localfs import LinkedLocationError
 from checkpointing.weights import WeightsError
 from training.config import ConfigError
 from training.preemption import Preempted, Stop
@@ -40,7 +41,7 @@ def _known() -> dict[str, type[BaseException]]:
     classes: list[type[BaseException]] = [
         ConfigError, ReportError, LoopEndedEarlyError, UnsafeCheckpointError, CorruptCheckpointError,
         NotACheckpointError, FencedError, AccessDeniedError, PermanentStorageError, StorageError, CheckpointError,
-        WeightsError, InjectedFault,
+        WeightsError, InjectedFault, LinkedLocationError,
     ]  # fmt: skip
     return {cls.__name__: cls for cls in classes}
 

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from checkpointing import confine
 from training import nodes, preemption
 from training.config import ConfigError, TrainConfig
 from training.errors import error_from_record
@@ -93,6 +94,8 @@ class Gang:
             env["TRAIN_STORAGE_OPTIONS"] = json.dumps(self.config.storage_options)
         # This process already decided the recipe may run here; its ranks inherit that decision, nothing more.
         env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), resolve_recipe(self.config.recipe)]))
+        if (roots := confine.local_roots()) is not None:  # a deployment run's ranks stay under the worker's roots
+            env[confine.ROOTS_ENV] = json.dumps(roots)
         env.update({ADDRESS_ENV: f"127.0.0.1:{self._listener.getsockname()[1]}", TOKEN_ENV: self._token,
                     FOLDER_ENV: str(folder)})  # fmt: skip
         rendezvous = nodes.choose_rendezvous() if self.config.nnodes > 1 else None

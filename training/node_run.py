@@ -26,12 +26,13 @@ import threading
 import time
 from pathlib import Path
 
+from checkpointing import confine
 from training.config import TrainConfig
 from training.gang import FOLDER_ENV
 from training.nodes import NodeOffer, node_address, node_environment, torchrun_command
 from training.processes import die_with_parent, kill_group
 from training.recipe import ALLOWED_ENV, resolve_recipe
-from training.trust import check_locations
+from training.trust import check_locations, local_roots
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     recipe = resolve_recipe(config.recipe)  # ... and this worker's recipes
     env = node_environment(os.environ, node_address())
     env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), recipe]))
+    env[confine.ROOTS_ENV] = json.dumps(local_roots())  # its ranks' files stay under this worker's roots, link-free
     with tempfile.TemporaryDirectory(prefix="node-") as folder:
         config_file = Path(folder) / "config.json"
         config_file.write_text(config.model_dump_json())

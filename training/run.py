@@ -37,7 +37,7 @@ from training.progress import Progress, at, is_complete, is_past, rescaled, unit
 from training.recipe import uses_own_loop
 from training.rollback import pending_roll_back, roll_back
 from training.session import open_store
-from training.trust import check_locations
+from training.trust import confine_locations, release_locations
 from training.warm_start import check_load_path
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class Run:
                  lease: Lease | None, warnings: list[str]):  # fmt: skip
         self.config, self.store, self.start, self.generation = config, store, start, generation
         self.lease, self.warnings = lease, warnings
+        self.confined = False  # its local files are confined to the worker's roots until it closes (Run.open)
         self.own_loop = uses_own_loop(config)
         progress = Progress.from_dict(start.progress) if start else Progress()
         # A unit run's counters continue at this launch's batch size; a loop of its own keeps its own counters.
@@ -86,9 +87,21 @@ class Run:
         """Every check that can fail runs before anything is written; then the run is claimed for this attempt
         (a live previous attempt is asked to hand over first), rolled back if ``resume_from`` asks, and its start
         resolved. ``owner`` (e.g. a flow run id) and ``label`` say who trains in the run's claims; ``untrusted``: the
-        config came from a flow-run parameter (its locations are checked)."""
-        if untrusted:
-            check_locations(config)
+        config came from a flow-run parameter (its locations are checked, and every local file of the run is reached
+        from the worker's allowed roots without following a link until the run is closed: training/trust.py)."""
+        if not untrusted:
+            return cls._open(config, attempt, owner, label)
+        confine_locations(config)
+        try:
+            run = cls._open(config, attempt, owner, label)
+        except BaseException:
+            release_locations()
+            raise
+        run.confined = True
+        return run
+
+    @classmethod
+    def _open(cls, config: TrainConfig, attempt: int, owner: str, label: str) -> Run:
         preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
         store = open_store(config)
         start = store.latest()
@@ -130,9 +143,14 @@ class Run:
         """Releases the run for the next attempt (at once, rather than when the lease goes stale)."""
         from training.gang import close_gangs
 
-        close_gangs()  # the rank processes of this attempt, if any
-        if self.lease is not None:
-            self.lease.release()
+        try:
+            close_gangs()  # the rank processes of this attempt, if any
+            if self.lease is not None:
+                self.lease.release()
+        finally:
+            if self.confined:
+                self.confined = False
+                release_locations()
 
     # -- where it stands ------------------------------------------------------------------------------
     @property

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from checkpointing import CheckpointStore, NotACheckpointError, UnsafeCheckpointError, open_checkpoint_uri
+from checkpointing import CheckpointStore, NotACheckpointError, UnsafeCheckpointError, confine, open_checkpoint_uri
 from checkpointing.peer_formats import PeerCheckpoint, is_weights_file, optimizer_state_for, read_peer_checkpoint
 from checkpointing.store import STATE_FILE
 from checkpointing.weights import LoadReport, Weights, WeightsError, check_match, load_into, match, tied_keys
@@ -219,7 +219,8 @@ def _check_progress(config: TrainConfig, progress: Progress) -> None:
 def _check_key(config: TrainConfig) -> str:
     fields = ("load_path", "load_weights_only", "load_strict", "load_ignore_keys", "recipe", "recipe_args",
               "max_duration", "global_batch_size", "parallelism")  # fmt: skip
-    return json.dumps([getattr(config, f) for f in fields], sort_keys=True, default=str)
+    confined = confine.local_roots()  # a check passed unconfined (links followed) does not pass a confined run
+    return json.dumps([getattr(config, f) for f in fields] + [confined], sort_keys=True, default=str)
 
 
 def _read(config: TrainConfig) -> tuple[PeerCheckpoint, str] | None:
