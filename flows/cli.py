@@ -74,19 +74,21 @@ def check_before_prefect(config: TrainConfig) -> None:
     from training.preflight import preflight
     from training.recipe import allow_recipe
     from training.rollback import pending_roll_back
+    from training.run import check_resumable
     from training.session import open_store
     from training.warm_start import check_before_start
 
     if ":" in config.recipe:
         allow_recipe(config.recipe)
-    preflight(config)  # a bad recipe or recipe_args fails before the flow run is created
+    epoch_size = preflight(config)  # a bad recipe or recipe_args fails before the flow run is created
     check_before_start(config)  # ... and so does a load_path that does not fit the model
     store = open_store(config)
     start = store.latest() if config.autoresume else None
     if start is not None:  # ... and a launch that would continue the run with another model or data order
         check_same_run(config, start)
-    if config.resume_from:  # ... and a resume_from that names no checkpoint of the run (reads only)
-        pending_roll_back(config, store)
+    rollback_to = pending_roll_back(config, store) if config.resume_from else None  # ... and a bad resume_from
+    if start is not None and not rollback_to:  # ... and progress counters that place the run outside its data
+        check_resumable(config, start, epoch_size)
 
 
 def _run(

@@ -26,6 +26,7 @@ import torch
 
 from checkpointing.weights import match, mismatch_text, tied_keys
 from training.config import ConfigError
+from training.optimizer_state import check_entries, check_groups, check_structure
 from training.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ def load_model_state(model: torch.nn.Module, state_dict: Mapping[str, Any], what
 def check_optimizer_fits(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], names: list[str], what: str,
                          fix: str) -> None:  # fmt: skip
     """The optimizer ``state`` (parameters by index, in ``optimizer``'s order; ``names`` their model keys) fits
-    ``optimizer``: the same groups and sizes, the same kind of optimizer, moments of each parameter's shape."""
+    ``optimizer``: the same groups and sizes, the same kind of optimizer, each entry what the optimizer keeps for its
+    parameter (training/optimizer_state.py)."""
+    check_structure(state, what, fix)
     groups, saved = optimizer.param_groups, list(state.get("param_groups") or [])
     mine = type(optimizer).__name__
     if [len(g["params"]) for g in saved] != [len(g["params"]) for g in groups]:
@@ -75,15 +78,8 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, state: Mapping[str, A
             f"{what}: its optimizer state is another optimizer's (its groups have {sorted(theirs_keys - mine_keys)}, "
             f"the recipe's {mine} has {sorted(mine_keys - theirs_keys)}); {fix}"
         )
-    params = [p for g in groups for p in g["params"]]
-    entries = state.get("state") or {}
-    for position, index in enumerate(i for g in saved for i in g["params"]):
-        for key, value in (entries.get(index) or {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[position].shape:
-                raise ConfigError(
-                    f"{what}: its optimizer state does not fit: {key} of {names[position]!r} is "
-                    f"{list(value.shape)}, the parameter {list(params[position].shape)}; {fix}"
-                )
+    check_groups(optimizer, state, what, fix)
+    check_entries(optimizer, state, names, what, fix)
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from training.config import Duration
+from training.config import ConfigError, Duration
+
+MAX_COUNT = 2**53  # past this no run counts (and a JSON number stops being exact)
 
 
 @dataclass
@@ -34,6 +36,26 @@ class Progress:
             self.sample_in_epoch = 0
             return True
         return False
+
+
+def check_progress(p: Progress, epoch_size: int, what: str, fix: str, *, skipped: bool = False) -> None:
+    """Counters a checkpoint carries into a run place it in this run's data, else one ConfigError naming the counter
+    (before anything is claimed, rather than the sampler's ValueError at the first step): each at most MAX_COUNT; the
+    position in the epoch inside an epoch of ``epoch_size`` samples (0: not known here) and, unless a data skip moved
+    it ahead (``skipped``: the checkpoint records one), not past the samples seen."""
+    counts = p.as_dict()
+    big = next((k for k, v in counts.items() if not 0 <= v <= MAX_COUNT), None)
+    if big is not None:
+        problem = f"{big}={counts[big]} is outside 0..{MAX_COUNT}"
+    elif epoch_size and p.sample_in_epoch >= epoch_size:
+        problem = (
+            f"sample_in_epoch={p.sample_in_epoch} is past the end of an epoch of this run's data ({epoch_size} samples)"
+        )
+    elif not skipped and p.sample_in_epoch > p.samples_seen:
+        problem = f"sample_in_epoch={p.sample_in_epoch} is more than samples_seen={p.samples_seen}, the samples trained"
+    else:
+        return
+    raise ConfigError(f"{what}: its progress does not fit: {problem}; {fix}")
 
 
 def rescaled(p: Progress, global_batch_size: int) -> Progress:

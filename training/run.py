@@ -33,7 +33,7 @@ from training.nodes import NodeLauncher
 from training.overwrite import start_over, starts_over
 from training.preemption import STOP, raise_if_requested
 from training.preflight import preflight
-from training.progress import Progress, at, is_complete, is_past, rescaled, unit_index
+from training.progress import Progress, at, check_progress, is_complete, is_past, rescaled, unit_index
 from training.recipe import uses_own_loop
 from training.rollback import pending_roll_back, roll_back
 from training.session import open_store
@@ -102,7 +102,7 @@ class Run:
 
     @classmethod
     def _open(cls, config: TrainConfig, attempt: int, owner: str, label: str) -> Run:
-        preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
+        epoch_size = preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
         store = open_store(config)
         start = store.latest()
         over = starts_over(config, store, start, attempt)  # autoresume=False on a run with checkpoints: refused, or
@@ -111,6 +111,8 @@ class Run:
         elif config.load_path and not uses_own_loop(config):
             check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
         rollback_to = pending_roll_back(config, store)  # a bad resume_from fails here, before anything is written
+        if start is not None and not over and not rollback_to:
+            check_resumable(config, start, epoch_size)
         raise_if_requested(start.name if start else None)  # stopped during start-up: nothing claimed, nothing lost
         label = label or f"process {os.getpid()} on {socket.gethostname()} (attempt {attempt})"
         handover = config.preemption_grace_seconds + 2 * LEASE_STALE
@@ -243,6 +245,18 @@ def resolve_start(config: TrainConfig, store: CheckpointStore) -> CheckpointInfo
         logger.warning("the final checkpoint %s failed verification; resuming from %s and retraining from there",
                        start.name, verified.name if verified else "the start")  # fmt: skip
     return verified
+
+
+def check_resumable(config: TrainConfig, start: CheckpointInfo, epoch_size: int) -> None:
+    """The progress a run resumes from places it in its data (training/progress.py): else one ConfigError, before
+    the run is claimed. A loop of its own keeps its own counters (the product never positions its data)."""
+    if uses_own_loop(config):
+        return
+    listing = f"python -m checkpointing ls {'/'.join(split_run_uri(start.uri)[:2])}"
+    fix = f"go back to an earlier checkpoint with resume_from=<name> ({listing})"
+    skipped = bool(start.manifest.metadata.get("data_skip_applied"))
+    what = f"run {config.run_name!r}: its newest checkpoint {start.name}"
+    check_progress(Progress.from_dict(start.progress), epoch_size, what, fix, skipped=skipped)
 
 
 class RepeatGuard:

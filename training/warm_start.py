@@ -25,7 +25,7 @@ from checkpointing.store import STATE_FILE
 from checkpointing.weights import LoadReport, Weights, WeightsError, check_match, load_into, match, tied_keys
 from training.carry_over import check_model_fits, check_optimizer_fits, optimizer_param_names, peer_progress
 from training.config import ConfigError, TrainConfig
-from training.progress import Progress, is_complete, rescaled
+from training.progress import Progress, check_progress, is_complete, rescaled
 from training.recipe import load_recipe, open_dataset
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def _check_peer(config: TrainConfig, peer: PeerCheckpoint) -> None:
     if peer.progress:
         needs_size = "samples_seen" not in peer.progress and config.duration.unit == "sp"
         progress, _ = peer_progress(peer.progress, _epoch_size(config) if needs_size else 0)
-        _check_progress(config, progress)
+        _check_progress(config, progress, _where(config))
 
 
 def _check_full_folder(config: TrainConfig) -> None:
@@ -200,12 +200,15 @@ def _check_full_folder(config: TrainConfig) -> None:
     if state.get("optimizer") is not None:
         names = optimizer_param_names(model, optimizer)
         check_optimizer_fits(optimizer, state["optimizer"], names, what, f"set {WEIGHTS_ONLY}")
-    _check_progress(config, Progress.from_dict(loaded.info.progress))
+    skipped = bool(loaded.info.manifest.metadata.get("data_skip_applied"))
+    _check_progress(config, Progress.from_dict(loaded.info.progress), what, skipped=skipped)
 
 
-def _check_progress(config: TrainConfig, progress: Progress) -> None:
-    """A new run that carries a checkpoint's progress counts max_duration from it (Composer's rule): refused when
-    nothing would be left to train."""
+def _check_progress(config: TrainConfig, progress: Progress, what: str, *, skipped: bool = False) -> None:
+    """The progress a new run carries places it in the recipe's data (training/progress.py), and counts max_duration
+    from it (Composer's rule): refused when nothing would be left to train."""
+    epoch_size = _epoch_size(config) if progress.sample_in_epoch else 0
+    check_progress(progress, epoch_size, what, f"set {WEIGHTS_ONLY} and count from zero", skipped=skipped)
     p = rescaled(progress, config.global_batch_size)
     if is_complete(p, config.duration):
         raise ConfigError(
