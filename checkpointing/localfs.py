@@ -196,6 +196,19 @@ class LocalFiles:
             f.write(data)
         return True
 
+    def make_folder(self, key: str) -> None:
+        """Makes folder ``key`` and those above it, through no link."""
+        with self._folder(self._parts(key), create=True):
+            pass
+
+    def rename(self, old: str, new: str) -> None:
+        """Renames file ``old`` over ``new`` in the same folder (a link at ``new`` is replaced, never followed)."""
+        old_parts, new_parts = self._parts(old), self._parts(new)
+        if old_parts[:-1] != new_parts[:-1]:
+            raise UnsafePathError(f"{old!r} -> {new!r}: a rename stays in one folder")
+        with self._folder(old_parts[:-1], create=False) as folder:
+            os.rename(old_parts[-1], new_parts[-1], src_dir_fd=folder, dst_dir_fd=folder)
+
     def kind(self, key: str) -> str | None:
         """'file', 'dir', 'other' (a link, FIFO, ...) or None when nothing is there."""
         parts = self._parts(key)

@@ -130,11 +130,19 @@ class _HashingFileSystem(FileSystem):
             raise
         self.entries[key.rsplit("/", 1)[1]] = stream.entry()
 
+    def mkdir(self, path) -> None:
+        """The checkpoint's folder; locally made through no link (fsspec's makedirs follows them)."""
+        if self.storage.local is None:
+            return super().mkdir(path)
+        if os.fspath(path) != self.storage.path(self.prefix):
+            raise CheckpointError(f"DCP asked for the folder {path}, not {self.storage.uri(self.prefix)}")
+        self.storage.local.make_folder(self.prefix)
+
     def rename(self, path, new_path) -> None:
         """DCP writes ``.metadata.tmp`` and renames it: a local rename, a copy on object stores (no rename)."""
         old, new = self.key(path), self.key(new_path)
-        if self.storage.is_local:
-            os.rename(self.storage.path(old), self.storage.path(new))  # replaces a link, never follows one
+        if self.storage.local is not None:
+            self.storage.local.rename(old, new)  # in the folder reached through no link; replaces a link there
         else:
             self.storage.fs.mv(self.storage.path(old), self.storage.path(new))
         self.entries[new.rsplit("/", 1)[1]] = self.entries.pop(old.rsplit("/", 1)[1])

@@ -169,3 +169,23 @@ def test_a_deployment_run_without_links_trains_and_exports_under_its_root(deploy
     weights = safetensors.torch.load_file(export)
     assert all(isinstance(v, torch.Tensor) for v in weights.values()) and weights
     assert files_under(outside) == []
+
+
+def test_a_sharded_save_makes_its_folder_through_no_link_when_the_save_folder_turns_into_one(roots):
+    """DCP makes a checkpoint's folder itself (fsspec's makedirs follows links): a save folder swapped for a link
+    after the checkpoint was begun gets no folder outside the root."""
+    from checkpointing import Writer, sharded
+
+    allowed, outside = roots
+    with confine.confined([str(allowed)]):
+        store = CheckpointStore(str(allowed / "runs"), "r")
+        info = sharded.save_state(
+            store, "s1", {"w": torch.ones(4)}, progress={"samples_seen": 1}, writer=Writer.current(1)
+        )
+        assert info.name == "s1" and store.latest().name == "s1"  # DCP's mkdir and rename go through LocalFiles
+        folder = sharded._HashingFileSystem(store, "s2")
+        os.rename(allowed / "runs", allowed / "runs-moved")
+        os.symlink(outside, allowed / "runs")
+        with pytest.raises(LinkedLocationError, match="is a symbolic link below the allowed root"):
+            folder.mkdir(store.storage.path("checkpoints/s2"))
+    assert files_under(outside) == []
