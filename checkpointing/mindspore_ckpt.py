@@ -36,6 +36,8 @@ _TYPES = {
     "Bool": torch.bool,
 }
 _CRC_MARK = b"crc_num"
+MAX_DIMS = 32  # MindSpore's own limit is 8 (kMaxDims); torch's 64
+MAX_BYTES = 2**63 - 1  # what torch can address, counting every dim at least 1
 # MindSpore optimizers keep one slot per parameter under these prefixes (Momentum, Adam/AdamWeightDecay/Lamb,
 # Adagrad/FTRL, RMSProp): optimizer state, not weights.
 _SLOTS = {"moments.": "momentum_buffer", "adam_m.": "exp_avg", "adam_v.": "exp_avg_sq", "accum.": "accum",
@@ -99,6 +101,12 @@ def _tensor(tag: str, slices: list[tuple[list[int], str, bytes]]) -> Any:
     if dtype is None:
         raise MindSporeFormatError(f"value {tag!r}: a tensor type this reader does not know")
     shape = [] if dims == [0] else dims
+    # torch sizes even an empty tensor's strides as the product of its dims (0 counted as 1): bounded before it is
+    # asked, else dims that multiply past int64 beside a 0 escape as torch's RuntimeError
+    if len(shape) > MAX_DIMS or math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_BYTES:
+        raise MindSporeFormatError(
+            f"value {tag!r}: its shape has more than {MAX_DIMS} dims or more elements than a tensor can hold"
+        )
     if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != len(content):
         raise MindSporeFormatError(f"value {tag!r}: its size does not match its shape")
     if not content:

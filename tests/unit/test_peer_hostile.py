@@ -312,13 +312,15 @@ def _varint(n: int) -> bytes:
     "data, problem",
     [
         (ms_value(b"w", [10**9], b"Float32", b"\x00" * 8), "its size does not match its shape"),
+        (ms_value(b"w", [2**40, 2**40, 0], b"Float32", b""), "more elements than a tensor can hold"),
+        (ms_value(b"w", [1] * 33 + [0], b"Float32", b""), "its shape has more than 32 dims"),
         (ms_value(b"w", [2], b"Int4", b"\x00"), "a tensor type this reader does not know"),
         (ms_value(b"w", [2], b"Float32", b"\x00" * 8)[:-3], "runs past the end of the file"),
         (b"\x0a\x05\x0d\x00\x00\x00\x00", "wire type 5"),
         (b"\x0a\x05\x1a\x03abc", "holds a map tensor"),
         (ms_value(b"w", [2], b"Float32", b"\x00" * 8) + b"crc_num" + (1).to_bytes(10, "big"), "CRC32 does not match"),
     ],
-    ids=["huge dims", "4-bit type", "truncated", "unknown wire type", "map tensor", "bad crc"],
+    ids=["huge dims", "past int64", "33 dims", "4-bit type", "truncated", "wire type 5", "map tensor", "bad crc"],
 )
 def test_a_damaged_or_unsupported_mindspore_ckpt_is_refused_naming_the_problem(data, problem, tmp_path):
     message = refused(tmp_path, data, "evil.ckpt")
