@@ -144,6 +144,10 @@ class CheckpointStore:
         infos = [i for i in map(self.info, self._names()) if i is not None]
         return sorted(infos, key=lambda i: i.manifest.order)
 
+    def folders(self) -> builtins.list[str]:
+        """Every checkpoint folder's name, sorted, its manifest readable or not (``list`` gives only the readable)."""
+        return sorted(self._names())
+
     def _names(self) -> builtins.list[str]:
         """Folders under ``checkpoints/`` with checkpoint names. Others (a person's ``ep1-ba8-sa256 copy``) are
         not the store's: left alone (never read, pruned or listed), reported once."""

@@ -54,6 +54,17 @@ def test_verify_passes_a_good_run_and_fails_naming_a_flipped_byte(run):
     assert "ep3-ba24-sa768: ok" in out.stdout
 
 
+def test_verify_fails_a_run_with_a_checkpoint_whose_manifest_is_unreadable(run):
+    run.storage.put("checkpoints/ep2-ba16-sa512/manifest.json", b"{not json")
+    out = cli("verify", run.uri)
+    assert out.returncode == 1, out.stdout
+    assert out.stdout.splitlines() == [
+        "ep1-ba8-sa256: ok",
+        "ep3-ba24-sa768: ok",
+        "ep2-ba16-sa512: BAD: ep2-ba16-sa512: no readable manifest.json",
+    ]
+
+
 def test_export_writes_weights_that_load_safely(run, tmp_path):
     out_file = tmp_path / "model.pt"
     out = cli("export", f"{run.uri}/checkpoints/ep2-ba16-sa512", str(out_file))
