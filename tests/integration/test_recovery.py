@@ -1,0 +1,143 @@
+"""Crash recovery that does not depend on seeing an event live (deployments/recovery.py).
+
+The sweep's decisions, against the session's real Prefect server (states and events through its API, no worker:
+a restarted run stays Scheduled where the test can read it); then the outage it exists for, end to end: PostgreSQL
+SIGKILLed under a running training deployment run, the stack torn down and brought back on the same cluster, and the
+run completes by itself, bit-identical to an uninterrupted run, after exactly one restart.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from uuid import UUID
+
+import pytest
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.objects import StateType
+from prefect.events import emit_event
+from prefect.events.worker import EventsWorker
+from prefect.states import Crashed, Failed, Running
+
+from deployments import recovery
+from deployments.recovery import Windows
+
+BEGINNING = datetime(2000, 1, 1, tzinfo=UTC)  # a sweeper that has watched for ever: silence counts from the beat
+NOW_SETTLED = 0.5  # seconds: windows short enough that a test waits them out
+
+
+@pytest.fixture(scope="module")
+def api(prefect_harness):
+    """A client of the session's server, and two deployments: a training one and another."""
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name("recovery-test-train")
+        training = client.create_deployment(flow_id=flow_id, name="training")
+        other = client.create_deployment(flow_id=flow_id, name="other")
+        yield client, training, other
+
+
+def _run_in(client: SyncPrefectClient, deployment_id: UUID, *states) -> UUID:
+    run = client.create_flow_run_from_deployment(deployment_id)
+    for state in states:
+        client.set_flow_run_state(run.id, state, force=True)
+    return run.id
+
+
+def _windows(settle: float = NOW_SETTLED) -> Windows:
+    return Windows.of(NOW_SETTLED, BEGINNING, margin_seconds=settle - NOW_SETTLED)
+
+
+def _names(client: SyncPrefectClient, run_id: UUID) -> list[str]:
+    return [s.name for s in client.read_flow_run_states(run_id)]
+
+
+def _send_life(client: SyncPrefectClient, run_id: UUID, event: str) -> None:
+    """Emits ``event`` for the run, as its process would, and waits until the server has stored it."""
+    emit_event(event=event, resource={"prefect.resource.id": f"prefect.flow-run.{run_id}"})
+    EventsWorker.drain_all()
+    deadline = time.monotonic() + 30
+    while recovery._last_life(client, run_id, since=BEGINNING) is None:
+        assert time.monotonic() < deadline, f"the server never stored {event} of {run_id}"
+        time.sleep(0.2)
+
+
+def test_a_crashed_training_run_is_restarted_once_and_a_second_sweep_does_nothing(api):
+    client, training, _ = api
+    run_id = _run_in(client, training, Running(), Crashed(message="the machine died while the server was down"))
+    time.sleep(NOW_SETTLED * 2)
+
+    first = recovery.sweep(client, [training], _windows())
+    second = recovery.sweep(client, [training], _windows())
+
+    assert run_id in first and run_id not in second
+    state = client.read_flow_run(run_id).state
+    assert state.type == StateType.SCHEDULED and state.name == "AwaitingRestart"
+    assert _names(client, run_id).count("AwaitingRestart") == 1
+
+
+def test_a_sweep_that_read_the_crash_before_another_restarted_it_does_not_restart_it_again(api):
+    client, training, _ = api
+    run_id = _run_in(client, training, Running(), Crashed())
+    time.sleep(NOW_SETTLED * 2)
+    stale = client.read_flow_run(run_id)  # what a second sweeper (a worker's) read a moment ago
+
+    assert recovery._restart(client, client.read_flow_run(run_id))
+    assert not recovery._restart(client, stale)
+    assert _names(client, run_id).count("AwaitingRestart") == 1
+
+
+def test_a_recent_crash_is_left_to_the_automations(api):
+    client, training, _ = api
+    run_id = _run_in(client, training, Running(), Crashed())
+
+    assert recovery.sweep(client, [training], _windows(settle=120)) == []
+    assert client.read_flow_run(run_id).state.type == StateType.CRASHED
+
+
+def test_runs_of_other_deployments_and_runs_that_ended_failed_are_left_alone(api):
+    client, training, other = api
+    elsewhere = _run_in(client, other, Running(), Crashed())
+    # where the restart cap ends a run: the flow's own Failed state (flows/train.py), which nothing restarts
+    capped = _run_in(client, training, Running(), Failed(message="restarted 4 times ... max_restarts=3"))
+    time.sleep(NOW_SETTLED * 2)
+
+    restarted = recovery.sweep(client, [training], _windows())
+
+    assert elsewhere not in restarted and capped not in restarted
+    assert client.read_flow_run(elsewhere).state.type == StateType.CRASHED
+    assert client.read_flow_run(capped).state.type == StateType.FAILED
+
+
+def test_a_crashed_run_whose_attempt_is_still_alive_is_left_alone(api):
+    """A late second Crashed report of a death already restarted: the new attempt trains under a Crashed state."""
+    client, training, _ = api
+    run_id = _run_in(client, training, Running(), Crashed())
+    time.sleep(NOW_SETTLED * 2)
+    _send_life(client, run_id, "training.attempt.alive")
+
+    assert run_id not in recovery.sweep(client, [training], Windows.of(60, BEGINNING, margin_seconds=-59.5))
+    assert client.read_flow_run(run_id).state.type == StateType.CRASHED
+
+
+def test_a_running_run_whose_heartbeats_stopped_is_marked_crashed_and_left_to_the_automations_first(api):
+    client, training, _ = api
+    run_id = _run_in(client, training, Running())
+    _send_life(client, run_id, "prefect.flow-run.heartbeat")
+    time.sleep(NOW_SETTLED * 2)
+
+    restarted = recovery.sweep(client, [training], _windows(settle=120))
+
+    state = client.read_flow_run(run_id).state
+    assert state.type == StateType.CRASHED and "no heartbeat" in state.message
+    assert run_id not in restarted  # the restart automation reacts to this Crashed live; the sweep only later
+
+
+def test_silence_counts_from_the_sweepers_start_not_from_before_the_outage(api):
+    client, training, _ = api
+    run_id = _run_in(client, training, Running())
+    _send_life(client, run_id, "prefect.flow-run.heartbeat")
+    time.sleep(NOW_SETTLED * 2)
+
+    recovery.sweep(client, [training], Windows.of(NOW_SETTLED, datetime.now(UTC)))  # a sweeper that just started
+
+    assert client.read_flow_run(run_id).state.type == StateType.RUNNING
