@@ -29,6 +29,7 @@ from pathlib import Path
 from checkpointing import confine
 from training.config import TrainConfig
 from training.gang import FOLDER_ENV
+from training.limits import check_limits
 from training.nodes import NodeOffer, node_address, node_environment, torchrun_command
 from training.processes import die_with_parent, kill_group
 from training.recipe import ALLOWED_ENV, resolve_recipe
@@ -47,6 +48,7 @@ class NodeFailed(RuntimeError):
 def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     """Runs this node's ranks until the gang ends; returns a line saying how it went, or raises NodeFailed."""
     check_locations(config)  # this worker's roots, whatever node 0's worker allowed
+    check_limits(config)  # ... and this worker's caps on what one run may start (training/limits.py)
     recipe = resolve_recipe(config.recipe)  # ... and this worker's recipes
     env = node_environment(os.environ, node_address())
     env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), recipe]))

@@ -28,6 +28,7 @@ from checkpointing.fencing import LEASE_STALE, Lease
 from checkpointing.uris import split_run_uri
 from training.config import TrainConfig
 from training.identity import check_same_run
+from training.limits import check_limits
 from training.loop import UnitResult, run_unit
 from training.nodes import NodeLauncher
 from training.overwrite import start_over, starts_over
@@ -91,6 +92,7 @@ class Run:
         from the worker's allowed roots without following a link until the run is closed: training/trust.py)."""
         if not untrusted:
             return cls._open(config, attempt, owner, label)
+        check_limits(config)  # what one run may start on this worker: training/limits.py
         confine_locations(config)
         try:
             run = cls._open(config, attempt, owner, label)
