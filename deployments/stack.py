@@ -163,6 +163,11 @@ def start_worker(stack: Stack, log: Path | None = None, pool: str = POOL, **env:
     )
 
 
+def start_recovery(stack: Stack, log: Path | None = None) -> subprocess.Popen:
+    """``python -m deployments.recovery``: restarts the crashed training runs no automation restarted (an outage)."""
+    return _spawn([sys.executable, "-m", "deployments.recovery"], stack.env(), log)
+
+
 def worker_threads() -> int:
     """OMP_NUM_THREADS for the worker's flow runs: this environment's, else one less than the usable cores.
 
@@ -250,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("up", "worker"):
             procs.append(("worker", start_worker(stack)))
             print(f"worker on pool {POOL}; its flow runs get OMP_NUM_THREADS={worker_threads()}")
+            procs.append(("recovery", start_recovery(stack)))  # restarts runs whose crash an outage hid
         print(f"Use it from another shell:  export PREFECT_HOME={stack.home} PREFECT_API_URL={stack.api_url}")
         print(where_the_ui_is(stack))
         print("Ctrl-C stops " + " and ".join(name for name, _ in procs))
