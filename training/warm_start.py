@@ -26,7 +26,7 @@ from checkpointing.weights import LoadReport, Weights, WeightsError, check_match
 from training.carry_over import check_model_fits, check_optimizer_fits, optimizer_param_names, peer_progress
 from training.config import ConfigError, TrainConfig
 from training.progress import Progress, check_progress, is_complete, rescaled
-from training.recipe import load_recipe, open_dataset
+from training.recipe import load_recipe, open_dataset, uses_own_loop
 
 logger = logging.getLogger(__name__)
 WEIGHTS_ONLY = "load_weights_only=true to take the weights alone"
@@ -132,9 +132,11 @@ def _load(config: TrainConfig, model: torch.nn.Module, peer: PeerCheckpoint) -> 
 def check_before_start(config: TrainConfig) -> None:
     """``check_load_path`` for ``python -m flows.train`` before Prefect starts, so that a bad load_path is one
     line, not a failed flow run's traceback and then the line. Only when the run has no checkpoint yet: a
-    run that resumes ignores load_path (its file may be long gone)."""
+    run that resumes ignores load_path (its file may be long gone); nor for a loop of its own, which builds its own
+    model and takes load_path's state from ``ctx.get_checkpoint()`` (as ``Run.open`` skips it)."""
     if (
         config.load_path
+        and not uses_own_loop(config)
         and CheckpointStore(config.save_folder, config.run_name, storage_options=config.storage_options).latest()
         is None
     ):
