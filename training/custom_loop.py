@@ -345,8 +345,11 @@ def run_custom_loop(config: TrainConfig, *, attempt: int = 1, generation: int = 
         recipe.train_loop(ctx)
         return ctx.finish()
     except BaseException as exc:
+        misfit = state_misfit(config, exc)
         # A retry runs in this process: the failed loop's locals (model, optimizer, batches) must not outlive it.
         traceback.clear_frames(exc.__traceback__)
+        if misfit is not None:
+            raise misfit from exc
         raise
     finally:
         recipe.ctx = None
@@ -354,3 +357,26 @@ def run_custom_loop(config: TrainConfig, *, attempt: int = 1, generation: int = 
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+# Where torch refuses a state that does not fit: raised in these functions, an error repeats on every attempt.
+_LOADERS = ("torch/nn/modules/module.py", "torch/optim/optimizer.py")
+
+
+def state_misfit(config: TrainConfig, exc: BaseException) -> ConfigError | None:
+    """A ConfigError (never retried) for torch's ``load_state_dict`` refusing the state the loop loads into its model
+    or optimizer: the same checkpoint and the same model fail the same way on every attempt and on every rank (a
+    retry only spent its backoff to reach the same line). None for anything else."""
+    if not isinstance(exc, (RuntimeError, ValueError)) or isinstance(exc, torch.OutOfMemoryError):
+        return None
+    frames = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    if not frames or frames[-1].co_name != "load_state_dict" or not frames[-1].co_filename.endswith(_LOADERS):
+        return None
+    what = "optimizer" if frames[-1].co_filename.endswith(_LOADERS[1]) else "model"
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__  # torch's, no keys
+    return ConfigError(
+        f"recipe {config.recipe!r}: train_loop loaded a state that does not fit its {what} ({first}); every attempt "
+        f"would fail the same way, so it is not retried. Check recipe and recipe_args against the state "
+        f"ctx.get_checkpoint() returns (load_path={config.load_path!r}, or this run's newest report), or start a new "
+        f"run_name"
+    )
