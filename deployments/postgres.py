@@ -6,14 +6,17 @@ guidance past a laptop is PostgreSQL, which the stack can run itself (``make sta
 (``PREFECT_SERVER_DATABASE_CONNECTION_URL``, see deployments/stack.py and docs/deployments-postgres.md).
 
 The cluster lives in one folder (``.prefect/postgres`` for ``make stack``; a temp dir in the tests):
-``data/`` (initdb's), ``password`` (generated once, mode 0600, never printed). The server runs in the
-foreground as a child of the stack, on 127.0.0.1 only, with no Unix socket, and gets SIGINT (a fast shutdown)
-when its parent dies, however it dies: nothing of it outlives the stack.
+``data/`` (initdb's), ``password`` (new with every new cluster, mode 0600, never printed). The server runs in the
+foreground as a child of the stack, on 127.0.0.1 only, with no Unix socket, with none of the stack's environment
+but PATH, and gets SIGINT (a fast shutdown) when its parent dies, however it dies: nothing of it outlives the stack.
 
-PostgreSQL refuses to run as root. Run by root (CI, containers), the cluster belongs to, and the server runs as,
-an unprivileged user: ``STACK_POSTGRES_OS_USER``, else ``postgres`` (Debian's packages create it), else
-``nobody``; the cluster's folder must be reachable by that user (a folder under /root is not: then the cluster
-goes to a folder of /var/tmp named after the requested one, and the stack says so).
+PostgreSQL refuses to run as root. Run by root (CI, containers), the cluster's data belongs to, and the server runs
+as, an unprivileged user: ``STACK_POSTGRES_OS_USER``, else ``postgres`` (Debian's packages create it), else
+``nobody``. The folder, its password and the log stay root's, and the stack trusts nothing it did not make: every
+folder on the way must be root's (or the stack's user's) and closed to others, and nothing is reached through a
+link someone else made (deployments/private_paths.py). When the server's user cannot reach the folder (one under
+/root), its ``data/`` goes to a fresh private folder of /var/lib/resumable-train, recorded in the folder
+(``data-home``) so that the next start finds the same data.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import asyncio
 import contextlib
 import ctypes
 import glob
-import hashlib
 import os
 import pwd
 import secrets
@@ -37,6 +39,8 @@ from pathlib import Path
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
+from deployments import private_paths
+
 SUPERUSER = "prefect"  # the cluster's superuser; Prefect connects as it
 DATABASE = "prefect"
 BINARIES = ("initdb", "postgres")
@@ -44,6 +48,9 @@ BINARIES = ("initdb", "postgres")
 BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/usr/pgsql-*/bin")
 # A throwaway cluster (tests) need not survive a power cut: these make its writes ~free.
 NOT_DURABLE = ("fsync=off", "synchronous_commit=off", "full_page_writes=off")
+# Where the data goes when the server's user cannot reach the cluster's folder: root's, closed to others.
+FALLBACK_BASE = Path("/var/lib/resumable-train")
+HOME_RECORD = "data-home"  # in the cluster's folder: the fallback folder that holds its data/
 
 
 class PostgresError(RuntimeError):
@@ -107,12 +114,31 @@ def _groups_of(name: str) -> list:
     return [g for g in grp.getgrall() if name in g.gr_mem]
 
 
-def cluster_folder(requested: Path, user: pwd.struct_passwd | None) -> Path:
-    """``requested``, or, when the server's user cannot reach it, a folder of /var/tmp named after it."""
-    if user is None or reachable(requested, user):
-        return requested
-    tag = hashlib.sha256(str(requested.resolve()).encode()).hexdigest()[:12]
-    return Path("/var/tmp") / f"resumable-train-postgres-{tag}"
+def data_home(folder: Path, folder_fd: int, user: pwd.struct_passwd | None) -> Path:
+    """Where the cluster's ``data/`` lives: in ``folder``, or, when the server's user cannot reach it, in a fresh
+    private folder of FALLBACK_BASE, made once and recorded in ``folder`` (root's) so that restarts keep the data."""
+    if user is None or reachable(folder / "data", user):
+        return folder
+    recorded = (private_paths.read_file(folder_fd, HOME_RECORD) or "").strip()
+    if recorded:
+        home = Path(recorded)
+        if home.parent != FALLBACK_BASE:
+            record = folder / HOME_RECORD
+            raise PostgresError(
+                f"{record} names {home}, not a folder of {FALLBACK_BASE}: remove {record} to start over"
+            )
+        with contextlib.suppress(FileNotFoundError):  # gone: a new cluster
+            os.close(private_paths.open_folder(home))
+            return home
+    base_fd = private_paths.open_folder(FALLBACK_BASE, create_mode=0o711)
+    os.fchmod(base_fd, 0o711)  # the server's user passes through, lists nothing
+    os.close(base_fd)
+    home = Path(tempfile.mkdtemp(prefix="postgres-", dir=FALLBACK_BASE))  # a name no one can guess, made here
+    os.chmod(home, 0o711)  # by name: FALLBACK_BASE is root's alone, no one else can swap what is in it
+    if not reachable(home / "data", user):
+        raise PostgresError(f"{user.pw_name} cannot reach {home} either: set STACK_POSTGRES_DIR to a folder it can")
+    private_paths.write_file(folder_fd, HOME_RECORD, f"{home}\n")
+    return home
 
 
 @dataclass
@@ -122,6 +148,7 @@ class LocalPostgres:
     folder: Path
     port: int
     durable: bool = True  # False: no fsync (a throwaway cluster, e.g. the tests')
+    home: Path | None = None  # the folder holding data/: ``folder`` or its fallback (``init`` says)
 
     @property
     def url(self) -> str:
@@ -129,48 +156,99 @@ class LocalPostgres:
         return f"postgresql+asyncpg://{SUPERUSER}:{self.password()}@127.0.0.1:{self.port}/{DATABASE}"
 
     def password(self) -> str:
-        return (self.folder / "password").read_text().strip()
+        fd = self._open_folder(create=False)
+        try:
+            password = private_paths.read_file(fd, "password")
+        finally:
+            os.close(fd)
+        if password is None:
+            raise PostgresError(f"no password in {self.folder}: the cluster is not made yet (LocalPostgres.init)")
+        return password.strip()
 
     def init(self) -> None:
-        """Creates the folder, its password and the cluster, once; owned by the server's user when run by root."""
+        """Makes the cluster once, with a new password; its data/ belongs to the server's user when run by root.
+        Refuses a folder that someone else made or can change."""
         user = os_user()
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if user is not None:
-            os.chown(self.folder, user.pw_uid, user.pw_gid)
-        if (self.folder / "data" / "PG_VERSION").exists():
-            return
-        password = self.folder / "password"
-        if not password.exists():
-            fd = os.open(password, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(24))
-            if user is not None:  # initdb, run as that user, reads it
-                os.chown(password, user.pw_uid, user.pw_gid)
-        shutil.rmtree(self.folder / "data", ignore_errors=True)  # an initdb that was interrupted
+        fd = self._open_folder(create=True)
+        try:
+            os.fchmod(fd, 0o711 if user else 0o700)  # the server's user passes through to data/, lists nothing
+            self.home = data_home(self.folder, fd, user)
+            if not (self.home / "data" / "PG_VERSION").exists():
+                self._initdb(fd, user)
+        except private_paths.UntrustedPath as untrusted:
+            raise self._refusal(untrusted) from None
+        finally:
+            os.close(fd)
+
+    def _open_folder(self, create: bool) -> int:
+        try:
+            return private_paths.open_folder(self.folder, create_mode=0o700 if create else None)
+        except private_paths.UntrustedPath as untrusted:
+            raise self._refusal(untrusted) from None
+
+    def _refusal(self, untrusted: Exception) -> PostgresError:
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        who = me if me == "root" else f"{me} or root"
+        why = f"the stack, run as {me}, uses only folders that {who} made and no one else can change"
+        return PostgresError(f"STACK_POSTGRES_DIR={self.folder}: {untrusted}; {why}: choose another")
+
+    def _initdb(self, folder_fd: int, user: pwd.struct_passwd | None) -> None:
+        """A new cluster in ``home``/data, made by the server's user, with a new password."""
+        assert self.home is not None
+        home_fd = private_paths.open_folder(self.home)
+        pwfile = f".initdb-{secrets.token_hex(8)}"
+        try:
+            with contextlib.suppress(FileNotFoundError):  # an initdb that was interrupted
+                shutil.rmtree("data", dir_fd=home_fd)
+            os.mkdir("data", 0o700, dir_fd=home_fd)
+            if user is not None:
+                data_fd = os.open("data", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=home_fd)
+                os.fchown(data_fd, user.pw_uid, user.pw_gid)
+                os.close(data_fd)
+            password = secrets.token_urlsafe(24)
+            private_paths.write_file(folder_fd, "password", password)
+            private_paths.write_file(home_fd, pwfile, password, owner=user)  # initdb, run as that user, reads it
+            self._run_initdb(self.home / pwfile, user)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pwfile, dir_fd=home_fd)
+            os.close(home_fd)
+
+    def _run_initdb(self, pwfile: Path, user: pwd.struct_passwd | None) -> None:
+        assert self.home is not None
         proc = subprocess.run(
-            [str(bindir() / "initdb"), "-D", str(self.folder / "data"), "-U", SUPERUSER, f"--pwfile={password}",
+            [str(bindir() / "initdb"), "-D", str(self.home / "data"), "-U", SUPERUSER, f"--pwfile={pwfile}",
              "--auth=scram-sha-256", "--no-locale", "--encoding=UTF8", "--no-sync", "--no-instructions"],
             capture_output=True, text=True, timeout=300, **_as_user(user),
         )  # fmt: skip
         if proc.returncode != 0:
-            raise PostgresError(f"initdb in {self.folder / 'data'} exited {proc.returncode}:\n{proc.stderr}")
+            raise PostgresError(f"initdb in {self.home / 'data'} exited {proc.returncode}:\n{proc.stderr}")
 
     def start(self, log: Path | None = None) -> subprocess.Popen:
-        """Starts ``postgres`` in the foreground (its own session); it gets SIGINT if this process dies."""
+        """Starts ``postgres`` in the foreground (its own session); it gets SIGINT if this process dies. ``log``
+        is appended to as a file of this user's, never through a link."""
         self.init()
-        command = [str(bindir() / "postgres"), "-D", str(self.folder / "data"), "-p", str(self.port),
+        assert self.home is not None
+        command = [str(bindir() / "postgres"), "-D", str(self.home / "data"), "-p", str(self.port),
                    "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories="]  # fmt: skip
         for setting in () if self.durable else NOT_DURABLE:
             command += ["-c", setting]
-        out = open(log, "ab") if log else None  # noqa: SIM115 - handed to the child
-        return subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            start_new_session=True,
-            preexec_fn=_stop_with_parent,
-            **_as_user(os_user()),
-        )
+        try:
+            out = private_paths.open_append(log) if log else None
+        except private_paths.UntrustedPath as untrusted:
+            raise PostgresError(f"the log {log}: {untrusted}: choose another") from None
+        try:
+            return subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+                preexec_fn=_stop_with_parent,
+                **_as_user(os_user()),
+            )
+        finally:
+            if out is not None:
+                os.close(out)
 
     def wait_ready(self, server: subprocess.Popen, timeout: float = 60) -> None:
         """Waits until the server takes connections, then creates Prefect's database if it is not there yet."""
@@ -207,10 +285,12 @@ class _NotYet(Exception):
 
 
 def _as_user(user: pwd.struct_passwd | None) -> dict:
-    """Popen arguments that run the child as ``user`` (None: as this process), from /, with its HOME."""
+    """Popen arguments that run the child as ``user`` (None: as this process; else from /) with a minimal
+    environment: PostgreSQL needs none of the caller's, and its user can read it in /proc/<pid>/environ."""
+    me = user or pwd.getpwuid(os.geteuid())
+    env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": me.pw_dir, "USER": me.pw_name, "LOGNAME": me.pw_name}
     if user is None:
-        return {}
-    env = {**os.environ, "HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name}
+        return {"env": env}
     return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": [], "cwd": "/", "env": env}
 
 

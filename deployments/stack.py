@@ -9,7 +9,9 @@ People use it through make (state in ./.prefect, the UI at http://127.0.0.1:4200
 The server's database: SQLite at $PREFECT_HOME/prefect.db (no set-up; the default), a PostgreSQL cluster that
 the stack creates, starts and stops itself in ./.prefect/postgres (STACK_DATABASE=postgres, or --database),
 or a PostgreSQL server of yours (PREFECT_SERVER_DATABASE_CONNECTION_URL=postgresql+asyncpg://...). Only the
-server's process is given the database URL; it is printed with its password hidden.
+server's process is given the database URL; it is printed with its password hidden. The server and PostgreSQL get
+none of the caller's credentials (the worker's flow runs need them; a server does not). A child that dies makes the
+stack stop the rest and exit non-zero (128+N for signal N), so that a supervisor's restart-on-failure fires.
 
 A worker started here gives its flow runs OMP_NUM_THREADS (one less than this machine's cores, unless set):
 torch's default, one OpenMP thread per core, collapses when the server and worker share those cores.
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +43,13 @@ DATABASES = ("sqlite", "postgres")
 CONNECTION_URL = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
 # Settings that reach the database: only the server's process gets them, never a worker or a flow run.
 DATABASE_SETTINGS = ("PREFECT_SERVER_DATABASE_", "PREFECT_API_DATABASE_")
+# All the server's process keeps of the caller's environment: Prefect's settings and what Python, the locale, TLS
+# and proxies read. Never credentials (AWS_*, TRAIN_NODE_SECRET, PREFECT_API_KEY): a server uses none of them.
+SERVER_KEEPS = (
+    *("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV"),
+    *("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY"),
+)  # matched in upper case: http_proxy too
+SERVER_KEEPS_PREFIXES = ("PREFECT_", "LC_", "PYTHON")
 
 
 @dataclass
@@ -61,7 +71,17 @@ class Stack:
         return f"http://{self.host}:{self.port}/api"
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(DATABASE_SETTINGS)}
+        return self._environment(os.environ, extra)
+
+    def server_env(self) -> dict[str, str]:
+        """The stack's settings, the part of the caller's environment a server reads (SERVER_KEEPS) and, for the
+        server alone, its database."""
+        kept = {k: v for k, v in os.environ.items() if k.upper() in SERVER_KEEPS or k.startswith(SERVER_KEEPS_PREFIXES)}
+        kept.pop("PREFECT_API_KEY", None)
+        return self._environment(kept, {CONNECTION_URL: self.database_url} if self.database_url else {})
+
+    def _environment(self, caller: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in caller.items() if not k.startswith(DATABASE_SETTINGS)}
         env.update(
             PREFECT_HOME=str(self.home),
             PREFECT_API_URL=self.api_url,
@@ -71,10 +91,6 @@ class Stack:
         env.update(self.extra_env)
         env.update(extra)
         return env
-
-    def server_env(self) -> dict[str, str]:
-        """``env()`` and, for the server alone, its database."""
-        return self.env(**({CONNECTION_URL: self.database_url} if self.database_url else {}))
 
     def describe_database(self) -> str:
         if not self.database_url:
@@ -261,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print("Ctrl-C stops " + " and ".join(name for name, _ in procs))
         while all(p.poll() is None for _, p in procs):
             time.sleep(1)
-        return max(p.returncode or 0 for _, p in procs)
+        return _ended(procs)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -321,16 +337,28 @@ def _database(args: argparse.Namespace, procs: list[tuple[str, subprocess.Popen]
         return None
     from flows.server import free_port
 
-    requested = args.postgres_dir.resolve()
-    user = postgres.os_user()
-    folder = postgres.cluster_folder(requested, user)
-    if folder != requested and user is not None:
-        print(f"PostgreSQL runs as {user.pw_name}, which cannot reach {requested}: cluster in {folder}")
+    folder = Path(os.path.abspath(args.postgres_dir))  # not resolved: a link on the way is checked, not followed
     server = postgres.LocalPostgres(folder, args.postgres_port or free_port())
-    procs.append(("postgres", server.start(log=folder / "postgres.log")))
-    server.wait_ready(procs[-1][1])
+    try:
+        procs.append(("postgres", server.start(log=folder / "postgres.log")))
+        server.wait_ready(procs[-1][1])
+    except postgres.PostgresError as refused:
+        raise SystemExit(f"error: {refused}") from None
+    user = postgres.os_user()
+    if server.home != folder and user is not None:
+        print(f"PostgreSQL runs as {user.pw_name}, which cannot reach {folder}: its data in {server.home}")
     print(f"PostgreSQL on 127.0.0.1:{server.port}, cluster in {folder}, log {folder / 'postgres.log'}")
     return server.url
+
+
+def _ended(procs: list[tuple[str, subprocess.Popen]]) -> int:
+    """The stack's exit status once one of its children ended by itself: never 0, so that a supervisor's
+    restart-on-failure fires; 128+N for a death by signal N, as shells report it."""
+    name, code = next((name, p.returncode) for name, p in procs if p.returncode is not None)
+    status = 128 - code if code < 0 else code or 1
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+    print(f"error: {name} {how} while the stack ran: stopping the stack (exit {status})", file=sys.stderr)
+    return status
 
 
 def _interrupt(signum, frame) -> None:

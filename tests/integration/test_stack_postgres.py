@@ -108,3 +108,20 @@ def test_make_server_on_postgres_says_where_the_ui_is_keeps_its_state_and_leaves
     finally:
         _stop(server)
     assert _wait_gone(str(cluster_dir), timeout=5) == []
+
+
+def test_a_new_cluster_gets_a_new_password_never_one_it_finds(cluster_dir):
+    cluster_dir.mkdir(mode=0o700)
+    (cluster_dir / "password").write_text("left-behind\n")  # by an earlier cluster, or an operator
+    (cluster_dir / "password").chmod(0o600)
+    pg = postgres.LocalPostgres(cluster_dir, 0)
+
+    pg.init()
+    first = pg.password()
+    assert first != "left-behind"
+    pg.init()  # a restart: the same cluster, the same password
+    assert pg.password() == first
+    assert pg.home is not None
+    shutil.rmtree(pg.home / "data")  # the cluster is gone: the next one is new
+    pg.init()
+    assert pg.password() not in (first, "left-behind")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from deployments import postgres
+from deployments import postgres, private_paths
 from deployments import stack as stacks
 
 SECRET_URL = "postgresql+asyncpg://prefect:s3cret-pw@db.example:5432/prefect"
@@ -67,18 +69,76 @@ def test_postgres_binaries_off_path_are_found_in_the_newest_distribution_folder(
         postgres.bindir()
 
 
-def test_a_cluster_the_server_user_cannot_reach_moves_to_var_tmp():
+def _data_home(requested: Path, user: pwd.struct_passwd | None) -> Path:
+    """Where LocalPostgres.init keeps the data of a cluster in ``requested``, without making the cluster."""
+    fd = private_paths.open_folder(requested, create_mode=0o700)
+    try:
+        os.fchmod(fd, 0o711)  # as init does when the server runs as another user
+        return postgres.data_home(requested, fd, user)
+    finally:
+        os.close(fd)
+
+
+def test_a_cluster_the_server_user_cannot_reach_keeps_its_data_in_one_fresh_private_folder(monkeypatch):
     nobody = pwd.getpwnam("nobody")
     base = Path(tempfile.mkdtemp())  # /tmp/xyz, opened below: pytest's own folders are closed to others
     try:
         base.chmod(0o755)
+        monkeypatch.setattr(postgres, "FALLBACK_BASE", base / "fallback")
         (base / "private").mkdir(mode=0o700)
         (base / "open").mkdir(mode=0o755)
 
-        assert postgres.cluster_folder(base / "open" / "pg", nobody) == base / "open" / "pg"
-        assert postgres.cluster_folder(base / "new" / "x" / "pg", nobody) == base / "new" / "x" / "pg"  # made later
-        moved = postgres.cluster_folder(base / "private" / "pg", nobody)
-        assert moved.parent == Path("/var/tmp") and moved.name.startswith("resumable-train-postgres-")
-        assert postgres.cluster_folder(base / "private" / "pg", None) == base / "private" / "pg"  # not root
+        assert _data_home(base / "open" / "pg", nobody) == base / "open" / "pg"
+        assert _data_home(base / "new" / "x" / "pg", nobody) == base / "new" / "x" / "pg"  # made now, 0755 above
+        first = _data_home(base / "private" / "pg", nobody)
+        st = os.lstat(first)
+        assert first.parent == base / "fallback" and (st.st_uid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), 0o711)
+        assert _data_home(base / "private" / "pg", nobody) == first  # a restart finds the same data
+        assert _data_home(base / "private" / "other", nobody) not in (first, base / "private" / "other")
+        record = os.lstat(base / "private" / "pg" / postgres.HOME_RECORD)
+        assert (record.st_uid, stat.S_IMODE(record.st_mode)) == (os.geteuid(), 0o600)
+
+        (base / "private" / "pg" / postgres.HOME_RECORD).unlink()  # a folder it did not record is never adopted
+        assert _data_home(base / "private" / "pg", nobody) not in (first, base / "private" / "pg")
+        assert _data_home(base / "private" / "pg", None) == base / "private" / "pg"  # not root: no other user
     finally:
         shutil.rmtree(base)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user: run as root")
+def test_private_paths_refuse_what_someone_else_made_or_can_change(tmp_path):
+    nobody = pwd.getpwnam("nobody")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "theirs").mkdir()
+    os.chown(tmp_path / "theirs", nobody.pw_uid, nobody.pw_gid)
+    (tmp_path / "shared").mkdir(mode=0o777)
+    (tmp_path / "shared").chmod(0o777)
+    (tmp_path / "their-link").symlink_to(tmp_path / "target")
+    os.lchown(tmp_path / "their-link", nobody.pw_uid, nobody.pw_gid)
+    (tmp_path / "my-link").symlink_to(tmp_path / "target")  # root's own links are followed (/home -> /data/home)
+
+    refused = {
+        "their-link": "is a link made by nobody",
+        "theirs": "belongs to nobody",
+        "shared": "may be changed by others",
+    }
+    for folder, why in refused.items():
+        with pytest.raises(private_paths.UntrustedPath, match=re.escape(f"{tmp_path / folder} {why}")):
+            private_paths.open_folder(tmp_path / folder)
+    os.close(private_paths.open_folder(tmp_path / "my-link" / "made", create_mode=0o700))
+    assert (tmp_path / "target" / "made").is_dir()
+
+    victim = tmp_path / "victim"
+    victim.write_text("root's\n")
+    (tmp_path / "target" / "password").symlink_to(victim)
+    os.link(victim, tmp_path / "target" / "log")
+    fd = private_paths.open_folder(tmp_path / "target")
+    try:
+        with pytest.raises(private_paths.UntrustedPath, match="password is not a file"):
+            private_paths.read_file(fd, "password")
+        with pytest.raises(private_paths.UntrustedPath, match="has another name"):
+            os.close(private_paths.open_append(tmp_path / "target" / "log"))
+        private_paths.write_file(fd, "password", "new")  # replaces the link, never writes through it
+        assert (tmp_path / "target" / "password").read_text() == "new" and victim.read_text() == "root's\n"
+    finally:
+        os.close(fd)
