@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments import postgres
+from deployments import postgres, private_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"
@@ -113,8 +113,9 @@ class Stack:
 
 
 def start_server(stack: Stack, log: Path | None = None) -> subprocess.Popen:
-    """``prefect server start`` on <host>:<port> (127.0.0.1 unless the stack says), on the stack's database."""
-    stack.home.mkdir(parents=True, exist_ok=True)
+    """``prefect server start`` on <host>:<port> (127.0.0.1 unless the stack says), on the stack's database. Its
+    home must be this user's and closed to others (private_paths.UntrustedPath): the server writes its state there."""
+    os.close(private_paths.open_folder(stack.home, create_mode=0o755))
     return _spawn(
         [sys.executable, "-m", "prefect", "server", "start", "--host", stack.host, "--port", str(stack.port)],
         stack.server_env(),
@@ -253,7 +254,7 @@ def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subproc
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    stack = Stack(home=args.home.resolve(), port=args.port, host=args.host)
+    stack = Stack(home=Path(os.path.abspath(args.home)), port=args.port, host=args.host)  # links: checked, not followed
     if args.command == "deploy":
         _deploy_all(stack)
         print(where_the_ui_is(stack))
@@ -280,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         return _ended(procs)
     except KeyboardInterrupt:
         return 0
+    except private_paths.UntrustedPath as untrusted:
+        print(f"error: --home {stack.home}: {untrusted}: choose a folder that no one else can change", file=sys.stderr)
+        return 2
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave an orphan behind
             signal.signal(sig, signal.SIG_IGN)

@@ -212,3 +212,30 @@ def test_a_cluster_folder_a_local_user_made_is_refused_in_one_line_and_left_as_i
         assert _state(cluster) == before  # nothing made, changed or chowned
     assert (base / "victim.log").read_bytes() == ROOTS_LINES and os.stat(base / "victim-dir").st_uid == 0
     assert processes_mentioning(str(shared)) == []
+
+
+def test_a_prefect_home_a_local_user_made_is_refused_in_one_line(base):
+    shared = base / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    _as_nobody(f"mkdir -m 0777 {shared}/home && ln -s {base / 'victim-dir'} {shared}/home/prefect.db")
+    before = _state(shared / "home")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deployments.stack",
+            "server",
+            "--port",
+            str(free_port()),
+            "--home",
+            str(shared / "home"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: --home {shared / 'home'}: {shared / 'home'} belongs to nobody")
+    assert _state(shared / "home") == before and os.listdir(base / "victim-dir") == []
