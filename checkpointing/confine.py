@@ -54,8 +54,11 @@ def local_roots() -> list[str] | None:
     raw = os.environ.get(ROOTS_ENV)
     if raw is None:
         return None
-    roots = json.loads(raw)
-    return [os.path.abspath(r) for r in roots if isinstance(r, str)]
+    try:
+        roots = json.loads(raw)
+    except ValueError:
+        roots = []  # unreadable: confined to nothing rather than free
+    return [os.path.abspath(r) for r in roots if isinstance(r, str)] if isinstance(roots, list) else []
 
 
 def root_of(path: str, where: str) -> tuple[str, list[str]]:

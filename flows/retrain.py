@@ -27,9 +27,11 @@ from checkpointing import validate_name
 from checkpointing.release import Release, ReleaseFile
 from flows import cli, ship_module_logs
 from flows.options import RetrainOptions
+from flows.restarts import is_deployment_run
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 from training.session import store_retry
+from training.trust import confine_locations, release_locations
 
 # Named, not __name__: a worker loads this file from its deployment's entrypoint as a module named "retrain".
 logger = logging.getLogger("flows.retrain")
@@ -87,6 +89,16 @@ def retrain(
     ship_module_logs()
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
+    if not is_deployment_run():
+        return tick(config, metric, higher_is_better, run_prefix)
+    confine_locations(config)  # release.json too, read and written through no link, under the worker's roots
+    try:
+        return tick(config, metric, higher_is_better, run_prefix)
+    finally:
+        release_locations()
+
+
+def tick(config: TrainConfig, metric: str, higher_is_better: bool, run_prefix: str) -> RetrainResult:
     run_name = tick_run_name(run_prefix)
     release = release_file(config).read()
     updates = warm_start(config, run_name, release)
