@@ -5,20 +5,24 @@ automations install idempotently; `prefect deployment run` completes with checkp
 flow-run process killed mid-unit comes back as the same flow run and resumes from its last checkpoint; a
 run that keeps dying stops at max_restarts as Failed; scheduled retraining warm-starts from the released
 model and promotes only models that are not worse, gives two ticks in one minute runs of their own, and
-resumes a killed tick under its own name; and a whole dead machine (worker and run, nobody left to report)
-is noticed by its missing heartbeats and restarted on another worker. One server and worker serve the module
-(tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
+resumes a killed tick under its own name; a whole dead machine (worker and run, nobody left to report)
+is noticed by its missing heartbeats and restarted on another worker; and a link planted in, or swapped into,
+the worker's allowed roots fails a run in one line with nothing read or written outside. One server and worker
+serve the module (tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import StateType
 
 from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED
@@ -270,3 +274,56 @@ def test_a_run_parameter_cannot_choose_code_or_storage_options(prefect_stack, tm
     assert not marker.exists()
     assert not (prefect_stack.logs / "evil-module-was-imported").exists()  # not even imported
     assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_links_in_or_swapped_into_allowed_folders_fail_a_deployment_run_in_one_line(prefect_stack, tmp_path):
+    """The worker's TRAIN_ALLOWED_ROOTS (this session's tmp folders) hold at the moment of each use: an allowed Hugging
+    Face folder whose model.safetensors links to another team's weights is never read, and a save folder swapped for
+    a link between units gets no further checkpoint. Each run fails in one line, not retried; nothing lands outside."""
+    import safetensors.torch
+    import torch
+
+    from recipes.synthetic import SyntheticRecipe
+
+    outside = Path(tempfile.mkdtemp(prefix="other-team-"))  # outside every root of the worker
+    try:
+        torch.manual_seed(5)
+        safetensors.torch.save_file(SyntheticRecipe().build_model().state_dict(), outside / "theirs.safetensors")
+        hf, gate = tmp_path / "hf", tmp_path / "gate"
+        hf.mkdir()
+        (hf / "config.json").write_text("{}")
+        os.symlink(outside / "theirs.safetensors", hf / "model.safetensors")
+        gate.touch()
+        base = {**SYNTHETIC, "unit_retries": 2, "retry_delay_seconds": 0}
+        linked = {"save_folder": str(tmp_path / "runs"), "load_path": str(hf), "load_weights_only": True}
+        gated = {"recipe": "tests.recipes_for_tests:GatedRecipe", "save_folder": str(tmp_path / "swapped")}
+        configs = {
+            "linked": {**base, **linked, "run_name": "linked", "recipe_args": {"num_samples": 64}},
+            "swapped": {
+                **base,
+                **gated,
+                "run_name": "swapped",
+                "recipe_args": {"num_samples": 256, "gate_file": str(gate), "gate_at_step": 10},
+            },
+        }
+        runs = {name: start_run(prefect_stack, "train/default", {"config": config}) for name, config in configs.items()}
+        wait_for(lambda: checkpoints(tmp_path / "swapped", "swapped"), 240, "the swapped run's first checkpoint")
+        os.rename(tmp_path / "swapped", tmp_path / "swapped-moved")
+        os.symlink(outside, tmp_path / "swapped")
+        gate.unlink()  # the unit that was held at step 10 goes on, to its checkpoint at step 16
+
+        ended = {name: wait_for_state(prefect_stack, run_id, StateType.FAILED) for name, run_id in runs.items()}
+
+        link_line = "a symbolic link below the allowed root (TRAIN_ALLOWED_ROOTS); a deployment run never reads"
+        assert f"load_path={str(hf)!r} (model.safetensors): {link_line}" in ended["linked"].state.message
+        swapped_line = f"{tmp_path / 'swapped'} is a symbolic link below the allowed root"
+        assert swapped_line in ended["swapped"].state.message
+        assert all("\n" not in run.state.message for run in ended.values())
+        with client(prefect_stack) as c:
+            units = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs["swapped"]])))
+        assert [(u.name, u.run_count) for u in units if u.state.is_failed()] == [("swapped-unit-1", 1)]  # no retry
+        assert sorted(os.listdir(outside)) == ["theirs.safetensors"]  # nothing written outside the root
+        assert not (tmp_path / "runs").exists()  # the linked run claimed and trained nothing
+        assert sorted(checkpoints(tmp_path / "swapped-moved", "swapped")) == ["ep1-ba8-sa256"]
+    finally:
+        shutil.rmtree(outside)
