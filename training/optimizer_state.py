@@ -114,7 +114,9 @@ def _same_kind(saved: Any, mine: Any) -> bool:
             and len(saved) == len(mine)
             and all(_same_kind(a, b) for a, b in zip(saved, mine, strict=True))
         )
-    if mine is None or type(mine) is bool:  # flags such as foreach and fused: None means "torch decides"
+    if mine is None:  # "torch decides" (foreach, fused) or an option the recipe left unset
+        return saved is None or type(saved) is bool or _is_scalar(saved)
+    if type(mine) is bool:
         return saved is None or type(saved) is bool
     if _is_scalar(mine):
         return _is_scalar(saved)
