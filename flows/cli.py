@@ -4,6 +4,10 @@ One clear line for every mistake at the terminal, exit 2 for configuration, 1 fo
 complete; the traceback stays in the Prefect logs (``--verbose`` prints it here too). A flow's parameters
 besides ``config`` (retrain's ``--metric``, ...) are flags too, described by a small pydantic model. The recipe named
 on the command line is allowed for this process: the person at the terminal chose it.
+
+Ctrl-C is a stop like SIGTERM (training/preemption.py: a checkpoint at the next step, one line, exit 130), not a
+KeyboardInterrupt that unwinds from wherever it lands (a commit's fsync) with a hundred lines of traceback; a second
+Ctrl-C aborts at once, with one line too.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from flows.server import prefect_api
 from training import preemption
 from training.config import ConfigError, TrainConfig, describe_error, load_config
 from training.config_text import short
-from training.preemption import EXIT_CODE, Preempted
+from training.preemption import INTERRUPTED, Preempted
 
 VERBOSE_FLAGS = ("--verbose", "-v")
 CONFIG_ERRORS = (ValidationError, SettingsError, ConfigError)
 exit_code: int | None = None  # what the last ``run`` returned (flows/launch.py exits with it)
+ABORTED = "aborted by Ctrl-C: the run resumes from its last committed checkpoint; run the same command again"
 
 
 def run(
@@ -42,10 +47,13 @@ def run(
     verbose = any(a in VERBOSE_FLAGS for a in argv)
     argv = [a for a in argv if a not in VERBOSE_FLAGS]
     try:
-        exit_code = _run(flow, argv, done, options, verbose)
-        return exit_code
+        code = _run(flow, argv, done, options, verbose)
+    except KeyboardInterrupt:  # Ctrl-C before the run could stop politely (start-up), or a second one
+        code = fail(ABORTED, INTERRUPTED)
     finally:
         server.discard_early()
+    exit_code = code
+    return code
 
 
 def parse(argv: list[str], options: type[BaseModel] | None = None) -> tuple[dict[str, Any], TrainConfig]:
@@ -109,7 +117,9 @@ def _run(
     except (CheckpointError, StorageError) as exc:
         return fail(f"run {config.run_name!r}: {exc}", 1)
     try:
-        with preemption.handling(config.preemption_signals):  # a SIGTERM while Prefect starts: leave, saying so
+        # A SIGTERM while Prefect starts: leave, saying so. Ctrl-C too, whatever preemption_signals says; from the
+        # first signal until exit, the others are ignored (a second Ctrl-C aborts).
+        with preemption.handling([*config.preemption_signals, "SIGINT"], hold=True, interactive=True):
             preemption.raise_if_requested()
             with prefect_api():
                 preemption.raise_if_requested()
@@ -117,7 +127,8 @@ def _run(
                     quiet_console_tracebacks()
                 result = flow(config, **own)
     except Preempted as exc:
-        return fail(f"run {config.run_name!r} {exc.describe()}; run the same command again to resume", EXIT_CODE)
+        code = preemption.exit_code(exc.stop)
+        return fail(f"run {config.run_name!r} {exc.describe()}; run the same command again to resume", code)
     except ConfigError as exc:
         return fail(str(exc), 2)
     except (CheckpointError, StorageError) as exc:

@@ -20,7 +20,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Scheduled
 
 from tasks.train_unit import PREEMPTED
-from training.preemption import Preempted
+from training.preemption import STOP, Preempted
 
 logger = logging.getLogger(__name__)
 RESTARTED = "AwaitingRestart"  # the state the restart automation sets (deployments/automations.py)
@@ -62,8 +62,11 @@ def leave(stop: Preempted) -> BaseException:
     - a termination signal in a deployment run: rescheduled now (``Preempted``, a Scheduled state), so that a worker
       picks it up again without waiting for a crash to be noticed, and never shown as Failed;
     - anything else (a run outside a deployment, or taken over by another run): ``Preempted`` itself, which the
-      caller sees (the CLI exits 143)."""
+      caller sees (the CLI exits 143; 130 for Ctrl-C)."""
     logger.warning("%s%s", stop.describe(), "; the restart will resume from it" if stop.checkpoint else "")
+    if STOP.ignored:
+        ignored = ", ".join(STOP.ignored)
+        logger.warning("%d further signal(s) ignored while this attempt stopped: %s", len(STOP.ignored), ignored)
     if stop.stop.kind == "handover":
         if flow_run.id and (stop.stop.by or {}).get("owner") == flow_run.id:
             return _abort_keeping_state("a newer attempt of this flow run took it over; this one leaves")
@@ -86,10 +89,35 @@ def _cancel_requested() -> bool:
 def _reschedule(stop: Preempted) -> BaseException:
     state: Any = Scheduled(name=PREEMPTED, message=stop.describe()[:1000])
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(UUID(flow_run.id), state, force=True)
+        state = client.set_flow_run_state(UUID(flow_run.id), state, force=True).state or state
+    _settled(state)
     abort = Abort(f"preempted; rescheduled: {stop.describe()}")
     abort.state = state  # type: ignore[attr-defined]  # the engine records it instead of proposing a state
     return abort
+
+
+def _settled(state: Any) -> None:
+    """Tells Prefect that this attempt's outcome is settled, so that nothing after it reports a crash:
+
+    - the runner (a worker's or ``serve()``'s) gets the engine's outcome receipt now, not at the engine's end, and
+      so ignores how the process exits: a later signal, even a SIGKILL, no longer makes it propose Crashed over
+      the Scheduled state (Prefect sends a receipt itself only for final states);
+    - the engine's SIGTERM handling takes the flow run's state as owned elsewhere (the intent Prefect's runner uses
+      when it reschedules a run on shutdown): it leaves our handler in place (training/preemption.py's hold) instead
+      of restoring the default action, which a second SIGTERM during the process's exit then met.
+
+    Both are Prefect internals (3.8): without them, the exit is as safe as the engine's own teardown."""
+    try:
+        from prefect._internal import control_listener
+        from prefect._internal.attempt_control import EngineOutcomeReceipt
+    except ImportError:
+        return
+    if state.id is not None:
+        receipt = EngineOutcomeReceipt.state_reported(
+            state_id=state.id, state_type=state.type.value, state_name=state.name
+        )
+        control_listener.report_engine_outcome(receipt)
+    control_listener._set_intent("reschedule")
 
 
 def _abort_keeping_state(why: str) -> BaseException:

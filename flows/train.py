@@ -66,7 +66,7 @@ def train_flow(config: TrainConfig) -> TrainResult:
     label = f"flow run {owner or 'local'} (run {attempt})"
     try:
         with (
-            preemption.handling(config.preemption_signals),
+            preemption.handling(config.preemption_signals, hold=True),  # after a stop, until the process exits
             Run.open(config, attempt=attempt, owner=owner, label=label, untrusted=is_deployment_run()) as run,
             AttemptAlive(),
         ):

@@ -13,12 +13,19 @@ A stop can also come from the run itself: a newer attempt of the same run that a
 
 The checkpoint must fit in the grace period: if this run's own save times say it would not
 (``preemption_grace_seconds``), none is started, the process leaves at once and says so.
+
+Machines rarely stop with one signal: an operator's ``kill`` twice, ``docker stop`` after a ``kill``, an init that
+forwards the signal while the platform sends it directly, Slurm signalling the step and the batch shell. From the
+first signal until the process exits, later ones are noted on stderr and ignored (``handling(hold=True)`` leaves the
+handler in place after its block): a second SIGTERM that reached Prefect's handler or the default action turned a
+finishing preemption into a crash. A person at a terminal is the exception: a second Ctrl-C aborts at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -30,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGXCPU")  # that may request a checkpoint
 EXIT_CODE = 143  # 128 + SIGTERM: what a shell and a supervisor read as "terminated on request"
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reads as "stopped by Ctrl-C"
 _MARGIN_SECONDS = 2.0  # of the grace period kept for leaving (log shipping, process teardown)
 
 
@@ -60,6 +68,12 @@ class Stop:
     reason: str
     at: float  # time.monotonic() when it was asked
     by: dict[str, Any] | None = None
+    signum: int | None = None  # the signal that asked, if one did
+
+
+def exit_code(stop: Stop) -> int:
+    """The exit status of a process that stopped for ``stop``: 130 for Ctrl-C, else 143 ("terminated")."""
+    return INTERRUPTED if stop.signum == signal.SIGINT else EXIT_CODE
 
 
 class StopRequests:
@@ -68,11 +82,13 @@ class StopRequests:
     def __init__(self) -> None:
         self._stop: Stop | None = None
         self._lock = threading.Lock()
+        self.ignored: list[str] = []  # the signals ignored after it, in order (the stop's log line names them)
+        self.aborts = 0  # Ctrl-C presses after it, at a terminal
 
-    def request(self, kind: str, reason: str, by: dict[str, Any] | None = None) -> None:
+    def request(self, kind: str, reason: str, by: dict[str, Any] | None = None, signum: int | None = None) -> None:
         with self._lock:
             if self._stop is None:
-                self._stop = Stop(kind, reason, time.monotonic(), by)
+                self._stop = Stop(kind, reason, time.monotonic(), by, signum)
 
     @property
     def current(self) -> Stop | None:
@@ -81,6 +97,7 @@ class StopRequests:
     def clear(self) -> None:
         with self._lock:
             self._stop = None
+            self.ignored, self.aborts = [], 0
 
 
 STOP = StopRequests()
@@ -99,9 +116,12 @@ def parse_signals(names: list[str]) -> list[signal.Signals]:
 
 
 @contextlib.contextmanager
-def handling(names: list[str]) -> Iterator[None]:
+def handling(names: list[str], hold: bool = False, interactive: bool = False) -> Iterator[None]:
     """Installs handlers that turn ``names`` into a stop request for the duration of the block (main thread only;
-    elsewhere, a no-op: the main thread's handlers already cover the process)."""
+    elsewhere, a no-op: the main thread's handlers already cover the process). A signal after the first is ignored,
+    or, with ``interactive`` (a person at a terminal), a further Ctrl-C aborts. With ``hold``, a block that ends
+    because of a stop leaves its handlers in place: the process is on its way out, and nothing may turn that exit into
+    a death by signal (Prefect's own SIGTERM handler reports a crash)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -109,14 +129,46 @@ def handling(names: list[str]) -> Iterator[None]:
     for sig in parse_signals(names):
 
         def handler(signum: int, _frame: Any) -> None:
-            STOP.request("signal", f"preempted by {signal.Signals(signum).name}")
+            if STOP.current is None:
+                STOP.request("signal", _reason(signum), signum=signum)
+            elif interactive and signum == signal.SIGINT:
+                _abort()
+            else:
+                _note_ignored(signum)
 
         previous[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        if not (hold and STOP.current is not None):
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+def _reason(signum: int) -> str:
+    return (
+        "interrupted by Ctrl-C (SIGINT)" if signum == signal.SIGINT else f"preempted by {signal.Signals(signum).name}"
+    )
+
+
+def _note_ignored(signum: int) -> None:
+    """Runs in a signal handler: appends and writes straight to the file descriptor, no logging (the main thread may
+    hold the logging or Prefect queue locks that a handler would wait for) and nothing that can raise."""
+    name = signal.Signals(signum).name
+    STOP.ignored.append(name)
+    with contextlib.suppress(OSError):  # stderr may be a pipe whose reader (a worker) is gone
+        os.write(2, f"{name} ignored: this process is already stopping (checkpoint, then exit)\n".encode())
+
+
+def _abort() -> None:
+    """A second Ctrl-C at a terminal: stop now, through the caller's KeyboardInterrupt (one line, exit 130); a third
+    does not wait for that either."""
+    STOP.aborts += 1
+    if STOP.aborts > 1:
+        with contextlib.suppress(OSError):
+            os.write(2, b"error: aborted by Ctrl-C\n")
+        os._exit(INTERRUPTED)
+    raise KeyboardInterrupt
 
 
 def raise_if_requested(checkpoint: str | None = None, step: int = 0) -> None:

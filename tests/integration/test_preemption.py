@@ -27,7 +27,7 @@ from checkpointing.store import STATE_FILE
 from deployments.stack import descendants
 from tests.conftest import ROOT
 from tests.procs import alive
-from training.preemption import EXIT_CODE
+from training.preemption import EXIT_CODE, INTERRUPTED
 
 pytestmark = pytest.mark.slow
 PACED = "tests.recipes_for_tests:PacedRecipe"
@@ -228,3 +228,59 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
     got, _ = model_weights(str(Path(folder, "p")), None)
     want, _ = model_weights(str(Path(ref_folder, "p")), None)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def inside_a_unit(folder: str, record: Path) -> bool:
+    """In the first or second step of a unit after the first (4 steps each): a stop lands inside the unit."""
+    return Path(folder, "p", "latest").exists() and phase(record) == "step" and steps_trained(record) % 4 in (1, 2)
+
+
+def test_ctrl_c_stops_like_sigterm_one_line_exit_130_and_a_committed_checkpoint(tmp_path, prefect_env):
+    folder, record = str(tmp_path / "runs"), tmp_path / "ids"
+    launch = Launch(command(folder, record, "p"), prefect_env, tmp_path / "interrupted.log")
+    launch.wait_until(lambda: inside_a_unit(folder, record), "a step inside a unit")
+    launch.watch()
+
+    launch.proc.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal sends
+
+    code = launch.proc.wait(timeout=GRACE + 30)
+    out = launch.text()
+    assert code == INTERRUPTED, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert len(error_lines(out)) == 1 and "interrupted by Ctrl-C (SIGINT): stopped at step" in error_lines(out)[0]
+    store = CheckpointStore(folder, "p")
+    info = store.latest(deep=True)
+    assert info.progress["step"] == steps_trained(record) and info.progress["step"] % 4 != 0  # at that step, mid-unit
+    assert store.check(info, deep=True) == []
+    assert launch.leftovers() == []
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_one_line(tmp_path, prefect_env):
+    folder, record = str(tmp_path / "runs"), tmp_path / "ids"
+    slow = json.dumps({**ARGS, "step_seconds": 6.0, "record_dir": str(record)})  # a step a person will not wait for
+    launch = Launch(command(folder, record, "p", recipe_args=slow, save_interval="1ba"), prefect_env, tmp_path / "log")
+    launch.wait_until(lambda: Path(folder, "p", "latest").exists() and phase(record) == "step", "a step")
+    step = steps_trained(record)
+    launch.wait_until(lambda: steps_trained(record) > step, "the start of the next step")
+    launch.watch()
+
+    launch.proc.send_signal(signal.SIGINT)  # a stop at the end of this step, 6 s from now ...
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    launch.proc.send_signal(signal.SIGINT)  # ... is too long to wait: Ctrl-C again
+
+    code = launch.proc.wait(timeout=GRACE + 30)
+    seconds = time.monotonic() - t0
+    out = launch.text()
+    assert code == INTERRUPTED, out[-3000:]
+    assert seconds < 4.0, f"left {seconds:.1f} s after the second Ctrl-C"  # the step would have ended at ~5.5 s
+    assert "Traceback" not in out, out[-3000:]
+    assert len(error_lines(out)) == 1 and "aborted by Ctrl-C" in error_lines(out)[0], out[-3000:]
+    store = CheckpointStore(folder, "p")
+    info = store.latest(deep=True)
+    assert info.progress["step"] == step and store.check(info, deep=True) == []  # the step it left was not saved
+    assert launch.leftovers() == []

@@ -7,6 +7,7 @@ The same through real processes, a real worker and torchrun ranks is in tests/in
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,42 @@ def test_a_loop_of_its_own_reports_on_should_checkpoint_and_resumes_there(make_c
     done = run_custom_loop(config, cache=SessionCache())
     assert done.resumed_from == "checkpoint ep1-ba3-sa96"
     assert all(torch.equal(a, b) for a, b in zip(model_of(config).values(), model_of(reference).values(), strict=True))
+
+
+@pytest.fixture
+def usr2_seen():
+    """A SIGUSR2 handler of the test's own, standing for what was installed before (Prefect's, or the default that
+    would end the process): the signals it sees are the ones the product let through."""
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, _frame: seen.append(signum))
+    yield seen
+    signal.signal(signal.SIGUSR2, previous)
+
+
+def test_signals_after_the_first_are_ignored_and_stay_ignored_until_the_process_exits(usr2_seen):
+    with preemption.handling(["SIGUSR2"], hold=True):
+        signal.raise_signal(signal.SIGUSR2)  # the first: a stop
+        signal.raise_signal(signal.SIGUSR2)  # a second `kill` while the checkpoint is written
+
+    signal.raise_signal(signal.SIGUSR2)  # one during the exit, after the block: still ours, still ignored
+
+    assert STOP.current is not None and STOP.current.reason == "preempted by SIGUSR2"
+    assert STOP.ignored == ["SIGUSR2", "SIGUSR2"] and usr2_seen == []
+
+
+def test_a_block_that_ends_without_a_stop_gives_the_signals_back(usr2_seen):
+    with preemption.handling(["SIGUSR2"], hold=True):
+        pass
+
+    signal.raise_signal(signal.SIGUSR2)
+
+    assert STOP.current is None and usr2_seen == [signal.SIGUSR2]
+
+
+def test_ctrl_c_at_a_terminal_stops_then_a_second_aborts():
+    with pytest.raises(KeyboardInterrupt), preemption.handling(["SIGINT"], interactive=True):
+        signal.raise_signal(signal.SIGINT)
+        assert STOP.current is not None and STOP.current.reason == "interrupted by Ctrl-C (SIGINT)"
+        assert preemption.exit_code(STOP.current) == preemption.INTERRUPTED
+        signal.raise_signal(signal.SIGINT)
+        pytest.fail("the second Ctrl-C did not abort")
