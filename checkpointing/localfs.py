@@ -101,8 +101,9 @@ class LocalFiles:
                 raise
             if self.confined and len(parts) <= len(self.base):
                 raise LinkedLocationError(
-                    f"{printable(self._where(parts))} is a symbolic link below the allowed root {self.anchor}; a "
-                    f"deployment run never reads or writes through links there: make it a real folder"
+                    f"{printable(self._where(parts))} is a symbolic link below the allowed root {self.anchor} "
+                    f"(TRAIN_ALLOWED_ROOTS); a deployment run never reads or writes through links there: make it a "
+                    f"real folder, or name the real one in the run's save_folder, load_path or export_on_complete"
                 ) from exc
             if not create:
                 raise self._damage(parts, "a symbolic link where a folder belongs") from exc
