@@ -113,12 +113,15 @@ def _crash_if_silent(client: SyncPrefectClient, run: FlowRun, windows: Windows) 
     silence = _now() - silent_since
     if silence < windows.silent:
         return
-    state: Any = Crashed(message=f"no heartbeat for {silence.total_seconds():.0f}s: the flow-run process is gone "
-                                 "(found by the recovery sweep, deployments/recovery.py)")  # fmt: skip
+    state: Any = Crashed(
+        message=f"no heartbeat for {silence.total_seconds():.0f}s: the flow-run process is gone "
+        "(found by the recovery sweep, deployments/recovery.py)"
+    )
     result = client.set_flow_run_state(run.id, state, force=False)
     if result.status == SetStateStatus.ACCEPT:
-        logger.warning("flow run %s (%s): no heartbeat for %.0fs, marked Crashed", run.id, run.name,
-                       silence.total_seconds())  # fmt: skip
+        logger.warning(
+            "flow run %s (%s): no heartbeat for %.0fs, marked Crashed", run.id, run.name, silence.total_seconds()
+        )
 
 
 def _stranded(client: SyncPrefectClient, run: FlowRun, windows: Windows) -> bool:
@@ -138,12 +141,20 @@ def _restart(client: SyncPrefectClient, run: FlowRun) -> bool:
     current = client.read_flow_run(run.id).state
     if current is None or current.id != crashed.id:
         return False
-    state: State = Scheduled(name=RESTARTED, message=f"restarted after a crash ({crashed.timestamp:%H:%M:%S} UTC) "
-                                                     "that no automation restarted: the recovery sweep")  # fmt: skip
+    state: State = Scheduled(
+        name=RESTARTED,
+        message=f"restarted after a crash ({crashed.timestamp:%H:%M:%S} UTC) "
+        "that no automation restarted: the recovery sweep",
+    )
     if _propose(client, run.id, state, uuid.uuid5(TRANSITIONS, str(crashed.id))) != SetStateStatus.ACCEPT:
         return False
-    logger.warning("flow run %s (%s): Crashed since %s and not restarted; rescheduled (%s)", run.id, run.name,
-                   f"{crashed.timestamp:%Y-%m-%d %H:%M:%S} UTC", RESTARTED)  # fmt: skip
+    logger.warning(
+        "flow run %s (%s): Crashed since %s and not restarted; rescheduled (%s)",
+        run.id,
+        run.name,
+        f"{crashed.timestamp:%Y-%m-%d %H:%M:%S} UTC",
+        RESTARTED,
+    )
     return True
 
 
@@ -210,6 +221,35 @@ def sweep_once(names: list[str], watching_since: datetime, margin_seconds: float
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s recovery: %(message)s", stream=sys.stdout)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request, every 30 s: only what was done
+    names = args.deployments or list(DEFAULT_DEPLOYMENTS)
+    if args.once:
+        return _by_hand(names)
+    logger.info("sweeping the crashed runs of %s every %.0fs", ", ".join(names), args.interval)
+    watching_since = _now()  # silence counts from here: heartbeats sent before, while the server was down, are lost
+    while True:
+        try:
+            sweep_once(names, watching_since)
+        except Exception as exc:  # the server or its database is down: it is what this sweeper outlives
+            logger.warning("sweep failed (%s: %s); next in %.0fs", type(exc).__name__, exc, args.interval)
+        time.sleep(args.interval)
+
+
+def _by_hand(names: list[str]) -> int:
+    """One sweep, trusting the heartbeats (whoever runs it knows the server has been up); 1 if the API failed."""
+    try:
+        restarted = sweep_once(names, watching_since=datetime.min.replace(tzinfo=UTC))
+    except Exception as exc:
+        logger.error("sweep failed (%s: %s)", type(exc).__name__, exc)
+        return 1
+    found = ", ".join(map(str, restarted)) if restarted else "nothing to restart"
+    logger.info("swept %s: %s", ", ".join(names), found)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deployments.recovery", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--deployment",
@@ -219,22 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--interval", type=float, default=INTERVAL_SECONDS, help="seconds between sweeps")
     parser.add_argument("--once", action="store_true", help="one sweep, then exit (1 if the API did not answer)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s recovery: %(message)s", stream=sys.stdout)
-    names = args.deployments or list(DEFAULT_DEPLOYMENTS)
-    # A loop started with the server counts silence from its own start; one sweep, by hand, trusts the heartbeats.
-    watching_since = datetime.min.replace(tzinfo=UTC) if args.once else _now()
-    logger.info("sweeping the crashed runs of %s every %.0fs", ", ".join(names), args.interval)
-    while True:
-        try:
-            sweep_once(names, watching_since)
-        except Exception as exc:  # the server or its database is down: it is what this sweeper outlives
-            logger.warning("sweep failed (%s: %s); next in %.0fs", type(exc).__name__, exc, args.interval)
-            if args.once:
-                return 1
-        if args.once:
-            return 0
-        time.sleep(args.interval)
+    return parser
 
 
 if __name__ == "__main__":

@@ -8,19 +8,28 @@ run completes by itself, bit-identical to an uninterrupted run, after exactly on
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from datetime import UTC, datetime
 from uuid import UUID
 
 import pytest
+import torch
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.objects import StateType
 from prefect.events import emit_event
 from prefect.events.worker import EventsWorker
 from prefect.states import Crashed, Failed, Running
 
+from checkpointing import CheckpointStore
 from deployments import recovery
+from deployments import stack as stacks
 from deployments.recovery import Windows
+from tests.integration.stack_client import pause_config, start_run, state_names, wait_for, wait_for_state
+from tests.integration.test_deployment_preemption import model_of
+
+STACK_DATABASE = "postgres"  # the end-to-end test's stack (tests/integration/conftest.py); the others use none
 
 BEGINNING = datetime(2000, 1, 1, tzinfo=UTC)  # a sweeper that has watched for ever: silence counts from the beat
 NOW_SETTLED = 0.5  # seconds: windows short enough that a test waits them out
@@ -47,7 +56,7 @@ def _windows(settle: float = NOW_SETTLED) -> Windows:
     return Windows.of(NOW_SETTLED, BEGINNING, margin_seconds=settle - NOW_SETTLED)
 
 
-def _names(client: SyncPrefectClient, run_id: UUID) -> list[str]:
+def _names(client: SyncPrefectClient, run_id: UUID) -> list[str | None]:
     return [s.name for s in client.read_flow_run_states(run_id)]
 
 
@@ -141,3 +150,54 @@ def test_silence_counts_from_the_sweepers_start_not_from_before_the_outage(api):
     recovery.sweep(client, [training], Windows.of(NOW_SETTLED, datetime.now(UTC)))  # a sweeper that just started
 
     assert client.read_flow_run(run_id).state.type == StateType.RUNNING
+
+
+# -- the outage, end to end -----------------------------------------------------------------------
+def _database_dies_and_the_stack_comes_back(running) -> None:
+    """SIGKILLs the stack's PostgreSQL; stops the server and the worker's whole tree (the flow run with it), as
+    ``python -m deployments.stack`` does when a child dies; then starts all of it again on the same cluster, the
+    recovery sweeper included, as ``python -m deployments.stack up`` does."""
+    os.kill(running.postgres_server.pid, signal.SIGKILL)
+    running.postgres_server.wait(timeout=30)
+    for proc in (running.worker, running.server):
+        stacks.stop(proc, signal.SIGTERM)
+    # Backends of the killed postmaster leave by themselves; until then a new one refuses the cluster.
+    running.postgres_server = wait_for(lambda: _postgres_again(running), 60, "PostgreSQL to start on its cluster")
+    running.server = running._track(stacks.start_server(running.stack, running.logs / "server-again.log"))
+    stacks.wait_healthy(running.stack, running.server)
+    running.start_worker()
+    running._track(stacks.start_recovery(running.stack, running.logs / "recovery.log"))
+
+
+def _postgres_again(running):
+    server = running.postgres.start(running.logs / "postgres-again.log")
+    try:
+        running.postgres.wait_ready(server, timeout=10)
+    except Exception:
+        stacks.stop(server, signal.SIGINT)
+        return None
+    return running._track(server)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_whose_database_died_under_it_completes_by_itself_once_the_stack_is_back(prefect_stack, tmp_path):
+    folder = tmp_path / "runs"
+    trained_through = tmp_path / "reference-markers"
+    trained_through.mkdir()
+    (trained_through / "paused").write_text("0")  # the recipe pauses only the first process that finds none
+    reference = start_run(prefect_stack, "train/default", {"config": pause_config(folder, "ref", trained_through)})
+    wait_for_state(prefect_stack, reference, StateType.COMPLETED)
+    markers = tmp_path / "markers"
+    run_id = start_run(prefect_stack, "train/default", {"config": pause_config(folder, "outage", markers)})
+    wait_for(lambda: (markers / "paused").exists(), 240, "the run to reach unit 1, after its first checkpoint")
+
+    _database_dies_and_the_stack_comes_back(prefect_stack)
+
+    run = wait_for_state(prefect_stack, run_id, StateType.COMPLETED, timeout=420)
+    names = state_names(prefect_stack, run_id)
+    assert names.count("AwaitingRestart") == 1 and "Failed" not in names, names
+    assert run.run_count == 2  # the attempt the outage killed, and one restart
+    assert CheckpointStore(str(folder), "outage").fence.newest() == 2  # one new attempt claimed the run
+    got, want = model_of(folder, "outage"), model_of(folder, "ref")
+    assert all(torch.equal(got[k], want[k]) for k in want)
