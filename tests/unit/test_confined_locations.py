@@ -21,7 +21,7 @@ from checkpointing.localfs import LinkedLocationError
 from recipes.synthetic import SyntheticRecipe
 from training.config import ConfigError
 from training.loop import run_unit
-from training.run import Run
+from training.run import Run, execute_unit
 from training.warm_start import check_load_path
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
@@ -139,6 +139,21 @@ def test_a_save_folder_replaced_by_a_link_between_units_fails_the_next_unit_and_
     assert one_line(info.value).startswith(f"{allowed / 'runs'} is a symbolic link below the allowed root")
     assert files_under(outside) == []
     assert [i.name for i in CheckpointStore(str(allowed / "runs-moved"), "r").list()] == [run.units[0].checkpoint_name]
+
+
+@pytest.mark.slow
+def test_the_rank_processes_of_a_deployment_run_are_confined_too(deployment_config, roots):
+    """A gang's ranks are kept across units and write the checkpoint files themselves: they inherit the roots."""
+    allowed, outside = roots
+    config = deployment_config(nproc_per_node=2, max_duration="2ep", recipe_args={"num_samples": 128})
+    with Run.open(config, untrusted=True) as run:
+        run.record(execute_unit(config, unit=run.next_unit, start_checkpoint=run.head, generation=run.generation))
+        os.rename(allowed / "runs", allowed / "runs-moved")
+        os.symlink(outside, allowed / "runs")
+        with pytest.raises(LinkedLocationError) as info:
+            execute_unit(config, unit=run.next_unit, start_checkpoint=run.head, generation=run.generation)
+    assert one_line(info.value).startswith(f"{allowed / 'runs'} is a symbolic link below the allowed root")
+    assert files_under(outside) == []
 
 
 def test_an_export_folder_replaced_by_a_link_before_the_export_fails_the_run_and_writes_nothing_outside(
