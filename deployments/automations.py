@@ -50,9 +50,13 @@ MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency
 # bucket write in the triggers service, and a write that collides with the restart action's state change
 # fails, is retried (restarting the run again each time), then dropped, after which Prefect holds that
 # run's later events (its next Crashed too) for up to 15 minutes. Crashed is left out on purpose: a crash
-# already has the restart automation; this one only has to notice silence.
+# already has the restart automation; this one only has to notice silence. A preempted run's Scheduled state
+# (named Preempted, flows/restarts.py; events carry the state's name) is in: the run waits for a worker without
+# heartbeats, and marking it Crashed replaced its "Preempted" state (seen when the worker stopped with the machine:
+# Crashed 60 s later, then restarted as a crash).
 ALIVE_OR_DONE = {
     "prefect.flow-run.heartbeat",
+    "prefect.flow-run.Preempted",
     "prefect.flow-run.Completed",
     "prefect.flow-run.Failed",
     "prefect.flow-run.Cancelled",

@@ -172,12 +172,10 @@ def install_automations(stack: Stack, *extra_args: str) -> str:
 
 
 def start_worker(stack: Stack, log: Path | None = None, pool: str = POOL, **env: str) -> subprocess.Popen:
-    """``prefect worker start`` for the process pool; flow runs start in TRAINING_PROJECT_DIR (the project), with
-    ``worker_threads()`` OpenMP threads."""
+    """A process worker for the pool (deployments/worker.py: Prefect's, whose stop preempts its flow runs instead of
+    killing them); flow runs start in TRAINING_PROJECT_DIR (the project), with ``worker_threads()`` OpenMP threads."""
     env = {"OMP_NUM_THREADS": str(worker_threads()), **env}
-    return _spawn(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"], stack.env(**env), log
-    )
+    return _spawn([sys.executable, "-m", "deployments.worker", "--pool", pool], stack.env(**env), log)
 
 
 def start_recovery(stack: Stack, log: Path | None = None) -> subprocess.Popen:

@@ -6,14 +6,21 @@ runs the same flow run again, which resumes at that step; its state history neve
 unit task it stopped ends Preempted (not Crashed, as Prefect shows an exception that is not an Exception), and
 the final weights are torch.equal to an uninterrupted deployment run's. A SIGKILL (a machine gone) is restarted by
 the automation exactly once, however many Crashed reports the worker sends, and never shows Failed.
+
+Machines rarely stop with one signal: a second SIGTERM 1 s later and a storm of them until the process is gone
+change nothing of that (never Crashed); a machine shutting down (SIGTERM to the worker and to the flow-run process
+at once) leaves the run Scheduled "Preempted" with its checkpoint at the step, past the heartbeat automation's window,
+and the next worker completes it bit-identically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,17 +29,20 @@ from prefect.client.schemas.objects import StateType
 
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
+from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 from tests.integration.stack_client import (
     ROOT,
     SYNTHETIC,
     flow_run_process,
     logs_containing,
+    read_run,
     start_run,
     state_names,
     task_run_states,
     wait_for,
     wait_for_state,
 )
+from tests.procs import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PACED = "tests.recipes_for_tests:PacedRecipe"
@@ -66,20 +76,26 @@ def in_a_step(record: Path) -> bool:
         return False
 
 
-def test_sigterm_reschedules_the_run_itself_and_it_completes_bit_identically_never_failed(prefect_stack, tmp_path):
-    folder = tmp_path / "runs"
-    reference = start_run(prefect_stack, "train/default", {"config": paced(folder, "ref", tmp_path / "ref-ids")})
-    wait_for_state(prefect_stack, reference, StateType.COMPLETED)
-    record = tmp_path / "ids"
-    run_id = start_run(prefect_stack, "train/default", {"config": paced(folder, "p", record)})
-    # In the first or second of a unit's 4 steps (batches started: 4k+1 or 4k+2): the stop lands inside the unit.
-    wait_for(lambda: (folder / "p" / "latest").exists() and in_a_step(record) and batches(record) % 4 in (1, 2), 240,
-             "the first steps of a unit after the first")  # fmt: skip
-    victim = flow_run_process(prefect_stack.worker.pid, run_id)
-    unit = (batches(record) - 1) // 4
+@pytest.fixture(scope="module")
+def reference(prefect_stack, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The weights of an uninterrupted deployment run of the paced recipe."""
+    folder = tmp_path_factory.mktemp("reference")
+    run_id = start_run(prefect_stack, "train/default", {"config": paced(folder / "runs", "ref", folder / "ids")})
+    wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
+    return model_of(folder / "runs", "ref")
 
-    os.kill(victim, signal.SIGTERM)
 
+def started_mid_unit(prefect_stack, folder: Path, record: Path, run_name: str):
+    """A run of the paced recipe, in the first or second of a unit's 4 steps (batches started: 4k+1 or 4k+2) after
+    the first unit: (run id, its flow-run process, the unit a stop now lands inside)."""
+    run_id = start_run(prefect_stack, "train/default", {"config": paced(folder, run_name, record)})
+    wait_for(lambda: (folder / run_name / "latest").exists() and in_a_step(record) and batches(record) % 4 in (1, 2),
+             240, "the first steps of a unit after the first")  # fmt: skip
+    return run_id, flow_run_process(prefect_stack.worker.pid, run_id), (batches(record) - 1) // 4
+
+
+def assert_preempted_then_completed_bit_identically(prefect_stack, run_id, folder, record, unit, reference) -> str:
+    """The run resumed once from its preemption and completed, never Failed or Crashed; its logs."""
     run = wait_for_state(prefect_stack, run_id, StateType.COMPLETED, timeout=300)
     names = state_names(prefect_stack, run_id)
     assert "Preempted" in names and "Failed" not in names and "Crashed" not in names, names
@@ -93,8 +109,64 @@ def test_sigterm_reschedules_the_run_itself_and_it_completes_bit_identically_nev
     assert "starting from checkpoint" in logs
     assert len((record / "ids-rank0.txt").read_text().splitlines()) == STEPS  # no step trained twice
     assert CheckpointStore(str(folder), "p").fence.newest() == 2  # two attempts, one after the other
-    got, want = model_of(folder, "p"), model_of(folder, "ref")
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    got = model_of(folder, "p")
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    return logs
+
+
+def test_sigterm_reschedules_the_run_itself_and_it_completes_bit_identically_never_failed(
+    prefect_stack, tmp_path, reference
+):
+    folder, record = tmp_path / "runs", tmp_path / "ids"
+    run_id, victim, unit = started_mid_unit(prefect_stack, folder, record, "p")
+
+    os.kill(victim, signal.SIGTERM)
+
+    assert_preempted_then_completed_bit_identically(prefect_stack, run_id, folder, record, unit, reference)
+
+
+def test_a_second_sigterm_and_a_storm_during_the_preemption_are_ignored_never_crashed(
+    prefect_stack, tmp_path, reference
+):
+    folder, record = tmp_path / "runs", tmp_path / "ids"
+    run_id, victim, unit = started_mid_unit(prefect_stack, folder, record, "p")
+
+    os.kill(victim, signal.SIGTERM)
+    time.sleep(1.0)  # an operator's second `kill`, `docker stop` after a `kill`, Slurm signalling step and shell
+    sent = 1
+    while alive(victim):  # ... then a storm, until the process is gone: every phase of its exit gets some
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGTERM)
+            sent += 1
+        time.sleep(0.05)
+
+    logs = assert_preempted_then_completed_bit_identically(prefect_stack, run_id, folder, record, unit, reference)
+    assert sent >= 2 and "further signal(s) ignored while this attempt stopped: SIGTERM" in logs
+
+
+def test_a_machine_shutdown_stopping_worker_and_flow_run_together_leaves_the_run_preempted_with_its_checkpoint(
+    prefect_stack, tmp_path, reference
+):
+    folder, record = tmp_path / "runs", tmp_path / "ids"
+    run_id, victim, unit = started_mid_unit(prefect_stack, folder, record, "p")
+    worker = prefect_stack.worker
+
+    os.kill(worker.pid, signal.SIGTERM)  # one SIGTERM to every process of the machine, at once
+    os.kill(victim, signal.SIGTERM)
+
+    assert worker.wait(timeout=90) == 0  # the worker let the preemption finish, then stopped
+    run = wait_for(lambda: (r := read_run(prefect_stack, run_id)).state.name == "Preempted" and r, 30, "Preempted")
+    assert run.state.type == StateType.SCHEDULED, run.state
+    info = CheckpointStore(str(folder), "p").latest(deep=True)
+    assert info.progress["step"] == batches(record) and info.progress["step"] % 4 != 0  # at the step, in the unit
+    time.sleep(HEARTBEAT_WITHIN_SECONDS + 15)  # no worker, no heartbeat: the automation must not call it a crash
+    run = read_run(prefect_stack, run_id)
+    assert (run.state.type, run.state.name) == (StateType.SCHEDULED, "Preempted"), run.state
+    assert "Crashed" not in state_names(prefect_stack, run_id)
+
+    prefect_stack.start_worker()  # the machine is back
+
+    assert_preempted_then_completed_bit_identically(prefect_stack, run_id, folder, record, unit, reference)
 
 
 def test_sigkill_restarts_the_run_exactly_once_and_its_history_never_shows_failed(prefect_stack, tmp_path):
