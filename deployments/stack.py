@@ -171,11 +171,15 @@ def install_automations(stack: Stack, *extra_args: str) -> str:
     return proc.stdout
 
 
-def start_worker(stack: Stack, log: Path | None = None, pool: str = POOL, **env: str) -> subprocess.Popen:
+def start_worker(
+    stack: Stack, log: Path | None = None, pool: str = POOL, stop_seconds: float | None = None, **env: str
+) -> subprocess.Popen:
     """A process worker for the pool (deployments/worker.py: Prefect's, whose stop preempts its flow runs instead of
-    killing them); flow runs start in TRAINING_PROJECT_DIR (the project), with ``worker_threads()`` OpenMP threads."""
+    killing them, waiting up to ``stop_seconds`` for them); flow runs start in TRAINING_PROJECT_DIR (the project),
+    with ``worker_threads()`` OpenMP threads."""
     env = {"OMP_NUM_THREADS": str(worker_threads()), **env}
-    return _spawn([sys.executable, "-m", "deployments.worker", "--pool", pool], stack.env(**env), log)
+    waits = [] if stop_seconds is None else ["--stop-seconds", str(stop_seconds)]
+    return _spawn([sys.executable, "-m", "deployments.worker", "--pool", pool, *waits], stack.env(**env), log)
 
 
 def start_recovery(stack: Stack, log: Path | None = None) -> subprocess.Popen:

@@ -28,6 +28,9 @@ from tests.procs import alive
 # Runs must notice a dead machine within a test's patience: Prefect's floor for the heartbeat is 30 s
 # (prefect.yaml sets 30); 60 s of silence (2 heartbeats) marks a run Crashed.
 HEARTBEAT_WITHIN_SECONDS = 60
+# A stopped worker waits this long for its flow runs to preempt themselves (a few seconds here); a test's run that
+# never reaches a step boundary (a paused recipe) would hold each stop for the worker's default of 60 s.
+WORKER_STOP_SECONDS = 15.0
 
 
 class RunningStack:
@@ -76,7 +79,8 @@ class RunningStack:
         self.start_worker()
 
     def start_worker(self) -> subprocess.Popen:
-        self.worker = self._track(stacks.start_worker(self.stack, self.logs / f"worker-{len(self.started)}.log"))
+        log = self.logs / f"worker-{len(self.started)}.log"
+        self.worker = self._track(stacks.start_worker(self.stack, log, stop_seconds=WORKER_STOP_SECONDS))
         return self.worker
 
     def kill_worker_machine(self) -> list[int]:
