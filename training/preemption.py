@@ -126,7 +126,7 @@ def handling(names: list[str], hold: bool = False, interactive: bool = False) ->
         yield
         return
     previous = {}
-    for sig in parse_signals(names):
+    for sig in dict.fromkeys(parse_signals(names)):  # once each: a second install would "restore" our own handler
 
         def handler(signum: int, _frame: Any) -> None:
             if STOP.current is None:

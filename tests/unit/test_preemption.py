@@ -165,7 +165,7 @@ def test_signals_after_the_first_are_ignored_and_stay_ignored_until_the_process_
 
 
 def test_a_block_that_ends_without_a_stop_gives_the_signals_back(usr2_seen):
-    with preemption.handling(["SIGUSR2"], hold=True):
+    with preemption.handling(["SIGUSR2", "USR2"], hold=True):  # named twice (the CLI adds SIGINT to the config's)
         pass
 
     signal.raise_signal(signal.SIGUSR2)
