@@ -1,10 +1,11 @@
 """Crash recovery that does not depend on seeing an event live: a sweep over the training runs, at start and every
 few seconds, beside the automations (deployments/automations.py).
 
-The automations react to events as they arrive. An event that arrives while the server or its database is down, or
-before the automations listen, is lost, and Prefect then holds that run's later events for up to 15 minutes while it
-waits for the lost one (its causal ordering): PostgreSQL killed under a stack at a run's first checkpoint left the run
-Crashed after the stack came back, and no automation restarted it. The sweep reads the runs' states instead:
+The automations react to events as they arrive. An event sent while the server or its database is down is lost; a
+server that restarted has forgotten which events it processed, and holds a run's state event that follows one from
+before the restart (a change less than 5 minutes after the previous one) for 15 minutes, waiting for that one
+(Prefect's causal ordering). PostgreSQL killed under a stack at a run's first checkpoint left the run Crashed after
+the stack came back, and no automation restarted it for those 15 minutes. The sweep reads the runs' states instead:
 
 - a training run that is Running but sent no heartbeat (nor ``training.attempt.alive``) for the heartbeat-lost window,
   counted from no earlier than the sweeper's own start (heartbeats sent while the server was down are lost), is marked
@@ -20,6 +21,11 @@ a worker's) proposing the same restart get one accepted (Prefect's PreventDuplic
 also answers the third automation, which would otherwise restart the same crash. The cap is the flow's, as for the
 automation: an attempt past ``max_restarts`` ends the run Failed (flows/train.py), which nothing here matches; a
 newer attempt fences out an older one in the store (checkpointing/fencing.py).
+
+What the sweep cannot stop: when a held Crashed event is finally evaluated, 15 minutes on, both restart automations
+act on the run as it is then. Seen here: a run the sweep had restarted, Completed 13 minutes before, was rescheduled
+again and ran once more (Completed at once, no unit trained: the run was complete); a run still training then would be
+taken over by the newer attempt through the store's fencing and resume from its last checkpoint.
 
     python -m deployments.recovery                  # every 30 s, for train/default and retrain/nightly
     python -m deployments.recovery --once           # one sweep, then exit
