@@ -114,6 +114,12 @@ def assert_preempted_then_completed_bit_identically(prefect_stack, run_id, folde
     return logs
 
 
+def ignored_signals(prefect_stack) -> int:
+    """How many signals the flow-run processes said they ignored (on their stderr, which the worker logs)."""
+    said = "SIGTERM ignored: this process is already stopping"
+    return sum(log.read_text(errors="replace").count(said) for log in prefect_stack.logs.glob("worker-*.log"))
+
+
 def test_sigterm_reschedules_the_run_itself_and_it_completes_bit_identically_never_failed(
     prefect_stack, tmp_path, reference
 ):
@@ -130,6 +136,7 @@ def test_a_second_sigterm_and_a_storm_during_the_preemption_are_ignored_never_cr
 ):
     folder, record = tmp_path / "runs", tmp_path / "ids"
     run_id, victim, unit = started_mid_unit(prefect_stack, folder, record, "p")
+    before = ignored_signals(prefect_stack)
 
     os.kill(victim, signal.SIGTERM)
     time.sleep(1.0)  # an operator's second `kill`, `docker stop` after a `kill`, Slurm signalling step and shell
@@ -140,8 +147,8 @@ def test_a_second_sigterm_and_a_storm_during_the_preemption_are_ignored_never_cr
             sent += 1
         time.sleep(0.05)
 
-    logs = assert_preempted_then_completed_bit_identically(prefect_stack, run_id, folder, record, unit, reference)
-    assert sent >= 2 and "further signal(s) ignored while this attempt stopped: SIGTERM" in logs
+    assert_preempted_then_completed_bit_identically(prefect_stack, run_id, folder, record, unit, reference)
+    assert sent >= 2 and ignored_signals(prefect_stack) - before >= 1  # the process said so on its stderr
 
 
 def test_a_machine_shutdown_stopping_worker_and_flow_run_together_leaves_the_run_preempted_with_its_checkpoint(
