@@ -68,6 +68,7 @@ class TemporaryServer:
             stdin=subprocess.PIPE,
             env=env,
             preexec_fn=die_with_parent,
+            process_group=0,  # not the terminal's: Ctrl-C there stops the run politely, which still needs this server
         )
 
     def wait_ready(self, patience: float = PATIENCE) -> float:

@@ -56,10 +56,13 @@ def command(folder: str, record: Path, run_name: str, **options) -> list[str]:
 class Launch:
     """One `python -m flows.train` process, its log, and every process it started (seen while it ran)."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path):
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, terminal: bool = False):
         self.log = log
         self._out = open(log, "w")  # noqa: SIM115 - the child writes it until it exits
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+        # terminal: a process group of its own, as a shell gives a command, so that a test can Ctrl-C that group
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=terminal
+        )
         self.children: set[int] = set()
 
     def watch(self) -> None:
@@ -240,12 +243,14 @@ def inside_a_unit(folder: str, record: Path) -> bool:
 
 
 def test_ctrl_c_stops_like_sigterm_one_line_exit_130_and_a_committed_checkpoint(tmp_path, prefect_env):
+    """At a terminal, without a Prefect server: Ctrl-C reaches the command's whole process group."""
     folder, record = str(tmp_path / "runs"), tmp_path / "ids"
-    launch = Launch(command(folder, record, "p"), prefect_env, tmp_path / "interrupted.log")
+    env = temporary_server_env(prefect_env)
+    launch = Launch(command(folder, record, "p"), env, tmp_path / "interrupted.log", terminal=True)
     launch.wait_until(lambda: inside_a_unit(folder, record), "a step inside a unit")
     launch.watch()
 
-    launch.proc.send_signal(signal.SIGINT)  # what Ctrl-C at the terminal sends
+    os.killpg(launch.proc.pid, signal.SIGINT)  # what Ctrl-C at the terminal sends
 
     code = launch.proc.wait(timeout=GRACE + 30)
     out = launch.text()
