@@ -5,6 +5,9 @@ Each case asserts what a reclaimed machine needs: the process leaves within the 
 at most one step (here: none), its final weights are torch.equal to an uninterrupted run's, ``latest`` verifies,
 and no process of the killed run is left. The recipe marks the phase it is in (tests/recipes_for_tests.py's
 PacedRecipe), so the signal lands in the phase the case names; where in that phase is random.
+
+Ctrl-C, sent to the command's whole process group as a terminal does: once, a stop like SIGTERM (exit 130, one line,
+a committed checkpoint); twice, an abort within seconds (one line, no traceback, the step in progress not saved).
 """
 
 from __future__ import annotations
