@@ -270,16 +270,17 @@ def test_ctrl_c_stops_like_sigterm_one_line_exit_130_and_a_committed_checkpoint(
 def test_a_second_ctrl_c_aborts_at_once_with_one_line(tmp_path, prefect_env):
     folder, record = str(tmp_path / "runs"), tmp_path / "ids"
     slow = json.dumps({**ARGS, "step_seconds": 6.0, "record_dir": str(record)})  # a step a person will not wait for
-    launch = Launch(command(folder, record, "p", recipe_args=slow, save_interval="1ba"), prefect_env, tmp_path / "log")
+    cmd = command(folder, record, "p", recipe_args=slow, save_interval="1ba")
+    launch = Launch(cmd, prefect_env, tmp_path / "aborted.log", terminal=True)
     launch.wait_until(lambda: Path(folder, "p", "latest").exists() and phase(record) == "step", "a step")
     step = steps_trained(record)
     launch.wait_until(lambda: steps_trained(record) > step, "the start of the next step")
     launch.watch()
 
-    launch.proc.send_signal(signal.SIGINT)  # a stop at the end of this step, 6 s from now ...
+    os.killpg(launch.proc.pid, signal.SIGINT)  # a stop at the end of this step, 6 s from now ...
     time.sleep(0.5)
     t0 = time.monotonic()
-    launch.proc.send_signal(signal.SIGINT)  # ... is too long to wait: Ctrl-C again
+    os.killpg(launch.proc.pid, signal.SIGINT)  # ... is too long to wait: Ctrl-C again
 
     code = launch.proc.wait(timeout=GRACE + 30)
     seconds = time.monotonic() - t0
