@@ -13,6 +13,11 @@ server's process is given the database URL; it is printed with its password hidd
 none of the caller's credentials (the worker's flow runs need them; a server does not). A child that dies makes the
 stack stop the rest and exit non-zero (128+N for signal N), so that a supervisor's restart-on-failure fires.
 
+The worker is Prefect's process worker with another stop (deployments/worker.py): SIGTERM or Ctrl-C preempts its flow
+runs (a checkpoint, then each reschedules itself) instead of killing them. ``up`` and ``worker`` also start the
+recovery sweeper (deployments/recovery.py), which restarts training runs whose crash no automation saw (an outage of
+the server or its database).
+
 A worker started here gives its flow runs OMP_NUM_THREADS (one less than this machine's cores, unless set):
 torch's default, one OpenMP thread per core, collapses when the server and worker share those cores.
 
@@ -79,6 +84,12 @@ class Stack:
         kept = {k: v for k, v in os.environ.items() if k.upper() in SERVER_KEEPS or k.startswith(SERVER_KEEPS_PREFIXES)}
         kept.pop("PREFECT_API_KEY", None)
         return self._environment(kept, {CONNECTION_URL: self.database_url} if self.database_url else {})
+
+    def client_env(self) -> dict[str, str]:
+        """For a child that only talks to the server's API (the recovery sweeper): the server's share of the caller's
+        environment, its API key included, and no database URL; never the storage credentials flow runs need."""
+        kept = {k: v for k, v in os.environ.items() if k.upper() in SERVER_KEEPS or k.startswith(SERVER_KEEPS_PREFIXES)}
+        return self._environment(kept, {})
 
     def _environment(self, caller: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
         env = {k: v for k, v in caller.items() if not k.startswith(DATABASE_SETTINGS)}
@@ -184,7 +195,7 @@ def start_worker(
 
 def start_recovery(stack: Stack, log: Path | None = None) -> subprocess.Popen:
     """``python -m deployments.recovery``: restarts the crashed training runs no automation restarted (an outage)."""
-    return _spawn([sys.executable, "-m", "deployments.recovery"], stack.env(), log)
+    return _spawn([sys.executable, "-m", "deployments.recovery"], stack.client_env(), log)
 
 
 def worker_threads() -> int:

@@ -36,6 +36,18 @@ def test_only_the_server_is_given_the_database_url_and_it_is_shown_without_its_p
     assert postgres.redact("postgresql+asyncpg://db/prefect") == "postgresql+asyncpg://db/prefect"
 
 
+def test_the_recovery_sweeper_gets_the_api_but_none_of_the_storage_credentials(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-key")
+    monkeypatch.setenv("TRAIN_NODE_SECRET", "pool-secret")
+    monkeypatch.setenv("PREFECT_API_KEY", "api-key")
+    stack = stacks.Stack(home=tmp_path, port=4321, database_url="postgresql+asyncpg://prefect:pw@127.0.0.1:1/prefect")
+    sweeper = stack.client_env()
+    assert sweeper["PREFECT_API_URL"] == "http://127.0.0.1:4321/api" and sweeper["PREFECT_API_KEY"] == "api-key"
+    assert "AWS_SECRET_ACCESS_KEY" not in sweeper and "TRAIN_NODE_SECRET" not in sweeper
+    assert not any("pw@" in value for value in sweeper.values())  # nor the database's password
+    assert stack.env()["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key"  # the worker's flow runs still get them
+
+
 def test_a_worker_gives_its_flow_runs_one_thread_less_than_the_cores_unless_told(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
