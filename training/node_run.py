@@ -33,7 +33,7 @@ from training.limits import check_limits
 from training.nodes import NodeOffer, node_address, node_environment, torchrun_command
 from training.processes import die_with_parent, kill_group
 from training.recipe import ALLOWED_ENV, resolve_recipe
-from training.trust import check_locations, local_roots
+from training.trust import check_locations, local_root_forms
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,9 @@ def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     recipe = resolve_recipe(config.recipe)  # ... and this worker's recipes
     env = node_environment(os.environ, node_address())
     env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), recipe]))
-    env[confine.ROOTS_ENV] = json.dumps(local_roots())  # its ranks' files stay under this worker's roots, link-free
+    env[confine.ROOTS_ENV] = json.dumps(
+        local_root_forms()
+    )  # its ranks' files stay under this worker's roots, link-free
     with tempfile.TemporaryDirectory(prefix="node-") as folder:
         config_file = Path(folder) / "config.json"
         config_file.write_text(config.model_dump_json())

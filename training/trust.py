@@ -44,7 +44,7 @@ def allowed_roots() -> list[str]:
     return [r for r in roots if r is not None]
 
 
-def local_roots() -> list[str]:
+def local_root_forms() -> list[str]:
     """The local roots, as written and with their own links resolved: a location may be written under either."""
     local = [root for root in allowed_roots() if root.startswith("/")]
     return sorted(set(local) | {os.path.realpath(root) for root in local})
@@ -53,7 +53,7 @@ def local_roots() -> list[str]:
 def confine_locations(config: TrainConfig) -> None:
     """``check_locations``, then this process's local files stay confined to the roots (each opened from its root,
     through no link) until ``release_locations``: a deployment run's whole life."""
-    confine.enter(local_roots())
+    confine.enter(local_root_forms())
     try:
         check_locations(config)
     except BaseException:
@@ -68,7 +68,7 @@ def release_locations() -> None:
 def check_locations(config: TrainConfig) -> None:
     """ConfigError unless every location ``config`` names lies under a root this worker allows, with no link below
     the root on its way."""
-    roots = allowed_roots() + local_roots()
+    roots = allowed_roots() + local_root_forms()
     for option in LOCATIONS:
         value = getattr(config, option)
         if value is None:
@@ -107,7 +107,7 @@ def _local(path: str) -> str:
 
 def _check_no_link(value: str, option: str) -> None:
     """ConfigError when a folder or file on the way from the root to a local ``value`` is a symbolic link."""
-    with confine.confined(local_roots()):
+    with confine.confined(local_root_forms()):
         try:
             confine.check(fsspec.core.split_protocol(value)[1], f"{option}={value!r}")
         except LinkedLocationError as exc:
