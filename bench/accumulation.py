@@ -1,7 +1,7 @@
 """Gradient accumulation: does memory actually drop, and what does it cost in speed?
 
 Each variant trains one unit of the synthetic MLP (wide layers, a big global batch: activations dominate)
-through ``training.loop.run_unit`` in a fresh process, and reports that process's peak RSS above its RSS
+through ``training.unit.loop.run_unit`` in a fresh process, and reports that process's peak RSS above its RSS
 right before the unit, plus samples/s. The peak includes what every variant holds alike (dataset, model,
 gradients, momentum, the checkpoint save); what differs between variants is the saved activations.
 Variants alternate within one run; figures are medians.
@@ -19,8 +19,8 @@ from bench.common import load_average, median, parser, progress, record, rotated
 CHILD = r"""
 import json, resource, sys, time
 from training.config import TrainConfig
-from training.loop import run_unit
-from training.recipe import allow_recipe
+from training.unit.loop import run_unit
+from training.recipe.loader import allow_recipe
 cfg = TrainConfig(**json.loads(sys.argv[1]))
 import os
 # The peak so far (imports) must not hide the unit's: compare against RSS now, and read the peak after.

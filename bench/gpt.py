@@ -4,7 +4,7 @@ processes.
 In one process, alternating, the same optimizer steps of ``recipes.gpt`` (model, AdamW groups, warm-up + cosine
 schedule, gradient accumulation, clipping, bf16 autocast) three ways:
 
-* ``product``: ``training.loop.run_unit`` unit after unit, each committing a checkpoint to a local folder, the next
+* ``product``: ``training.unit.loop.run_unit`` unit after unit, each committing a checkpoint to a local folder, the next
   one taking the state the previous one committed (as the ``train`` flow's tasks do, minus Prefect);
 * ``bare``: a plain loop over the same sample order (``ResumableBatchSampler`` + ``DataLoader``), no checkpoints.
   Its final weights are compared with the product's last checkpoint: equal means both trained the same thing;
@@ -84,8 +84,8 @@ def train_product(shape: Shape, folder: str, run_name: str) -> Run:
     """Units of ``steps_per_unit`` steps through ``run_unit``, each committing a checkpoint to ``folder``."""
     from checkpointing import CheckpointStore
     from checkpointing.store import STATE_FILE
-    from training.loop import run_unit
-    from training.warm import SessionCache
+    from training.unit.loop import run_unit
+    from training.unit.warm import SessionCache
 
     config, cache, run, start = config_for(shape, folder, run_name), SessionCache(), Run(), None
     cpu = time.process_time()
@@ -112,7 +112,7 @@ def train_bare(shape: Shape, nanogpt_batches: bool = False) -> Run:
     from torch.utils.data import DataLoader
 
     from recipes.gpt import GPTRecipe, warmup_cosine
-    from training.sampler import ResumableBatchSampler
+    from training.position.sampler import ResumableBatchSampler
 
     t0, cpu = time.perf_counter(), time.process_time()
     recipe = GPTRecipe(**shape.recipe_args)

@@ -115,7 +115,7 @@ def _config(variant: str, s3: LocalS3, shape: Shape):
 
 def run_flow(variant: str, s3: LocalS3, shape: Shape) -> FlowRun:
     from flows.train import train
-    from training.warm import PROCESS
+    from training.unit.warm import PROCESS
 
     config = _config(variant, s3, shape)
     PROCESS.forget()  # each run starts cold, as a new run does

@@ -88,7 +88,7 @@ def lightning_run(args: dict, batch: int, epochs_first: int, epochs_total: int) 
 
 def our_run(args: dict, batch: int, epochs_first: int, epochs_total: int) -> float:
     from flows.train import TrainConfig, train
-    from training.warm import PROCESS
+    from training.unit.warm import PROCESS
 
     common = dict(
         run_name=f"p{uuid.uuid4().hex[:8]}",

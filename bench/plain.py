@@ -1,6 +1,6 @@
 """The baseline: the same training written as a plain PyTorch loop, with no Prefect and no checkpoints.
 
-Same recipe, same seeding order as the product's fresh start (``training.session.restore``), same sample
+Same recipe, same seeding order as the product's fresh start (``training.unit.session.restore``), same sample
 order (``ResumableBatchSampler``, one seeded permutation per epoch) and the same optimizer and scheduler
 steps, so its per-unit mean losses equal the flow's: a check that both train the same thing.
 """
@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from recipes.synthetic import SyntheticRecipe
-from training import rng
-from training.sampler import ResumableBatchSampler
+from training.position.sampler import ResumableBatchSampler
+from training.unit import rng
 
 
 @dataclass

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 import checkpointing.store as store_module
-import training.session as session_module
-from checkpointing.hashing import in_background, sha256_hex
+import training.unit.session as session_module
+from checkpointing.io.hashing import in_background, sha256_hex
 from checkpointing.store import CheckpointInfo, CorruptCheckpointError, LoadedCheckpoint, safe_load
 
 

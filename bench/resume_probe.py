@@ -41,22 +41,22 @@ def main() -> int:
 
     _mark("imports done")
     import checkpointing.store
-    import training.loop
-    import training.session
-    from checkpointing.storage import Storage
+    import training.unit.loop
+    import training.unit.session
+    from checkpointing.io.storage import Storage
 
     _wrap(flows.train, "load_recipe", "load recipe")  # main(): checks the recipe before Prefect starts
     _wrap(flows.train, "check_restart_cap", "flow body")  # the flow body's first call
     _wrap(flows.train, "unit_task", "unit task")  # after planning: latest, claim, progress artifact
     _wrap(sys.modules["tasks.train_unit"], "run_unit", "run unit")  # the task body (the package shadows the module)
-    _wrap(training.session, "restore", "restore")  # build + load
-    _wrap(training.session, "_load_into", "load into")
+    _wrap(training.unit.session, "restore", "restore")  # build + load
+    _wrap(training.unit.session, "_load_into", "load into")
     _wrap(checkpointing.store.CheckpointStore, "load", "load")  # after resolving which checkpoint
     _wrap(Storage, "get_hashed", "read+verify")  # download + sha256 of one file
     _wrap(checkpointing.store, "safe_load", "unpickle")
-    _wrap(training.session, "_apply", "apply state")  # load_state_dict, RNG, progress
-    _wrap(training.loop, "_loader", "loader")  # sampler (the epoch's order) + DataLoader
-    _wrap(training.loop, "_step", "step")
+    _wrap(training.unit.session, "_apply", "apply state")  # load_state_dict, RNG, progress
+    _wrap(training.unit.loop, "_loader", "loader")  # sampler (the epoch's order) + DataLoader
+    _wrap(training.unit.loop, "_step", "step")
     try:
         return flows.train.main(argv)
     finally:

@@ -83,7 +83,7 @@ def child_fsdp(plan_file: str) -> None:
     from torch import nn
 
     from checkpointing import CheckpointStore
-    from training import fsdp
+    from training.unit import fsdp
 
     with open(plan_file) as f:
         plan = json.load(f)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from bench.common import load_average, median, parser, record, rotated
-from training.sampler import ResumableBatchSampler, epoch_order
+from training.position.sampler import ResumableBatchSampler, epoch_order
 
 POSITIONS = [0, 1_000, 1_000_000, 10_000_000]
 
@@ -22,7 +22,7 @@ def _first_batch(epoch_size: int, start: int, batch: int) -> float:
 
 
 def _unit_loop_first_batch(epoch_size: int, start: int, batch: int) -> float:
-    """The first batch as a unit of training/loop.py takes it: ``zip(sampler.shares(), loader)``, where the
+    """The first batch as a unit of training/unit/loop.py takes it: ``zip(sampler.shares(), loader)``, where the
     loader iterates the same sampler (so the epoch's order is built twice)."""
     from torch.utils.data import DataLoader
 
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> None:
         f"{order * 1000:.0f} ms, paid at every position including 0 (O(n) in the epoch). The seek "
         "itself is a slice: O(1) in the position.",
         "",
-        f"The first batch as a unit of `training/loop.py` takes it (`zip(sampler.shares(), loader)`, the "
+        f"The first batch as a unit of `training/unit/loop.py` takes it (`zip(sampler.shares(), loader)`, the "
         f"loader iterating the same sampler), seeking to sample {mid:,}: "
         f"{median(times[('unit loop', mid)]) * 1000:.0f} ms = "
         f"{median(times[('unit loop', mid)]) / order:.1f}x building the order: it is built by both "

@@ -22,10 +22,10 @@ from bench import prototypes
 from bench.common import OUT, LocalS3, load_average, local_s3, median, parser, record, rotated, scratch
 from bench.plain import parameter_bytes
 from checkpointing import CheckpointStore, Writer
-from checkpointing.storage import Storage
+from checkpointing.io.storage import Storage
 from checkpointing.store import STATE_FILE, serialize
 from recipes.synthetic import SyntheticRecipe
-from training import rng
+from training.unit import rng
 
 FILES = [STATE_FILE, "rng-rank0.pt"]
 

@@ -2,7 +2,7 @@
 
 Whole commands (``python -m flows.train``, a Prefect server this benchmark started once), alternating, medians:
 1 unit and ``--units`` units of the same epoch-sized unit, with ``--nproc_per_node 2`` (torchrun's rank processes,
-started once per attempt and kept across units: training/gang.py) and with 1 process. From the wall times:
+started once per attempt and kept across units: training/distributed/gang.py) and with 1 process. From the wall times:
 
 * per further unit = (wall(N units) - wall(1 unit)) / (N - 1), for each; the goal is on their difference;
 * first-unit start-up = wall(1 unit, 2 processes) - wall(1 unit, 1 process): torchrun, the ranks' imports, the

@@ -4,8 +4,8 @@ No Prefect import here: this layer is plain fsspec + tenacity + torch, and torch
 checkpoint is serialized or loaded, so `python -m checkpointing ls|verify` start without it (~1.4 s less).
 """
 
+from checkpointing.io.storage import AccessDeniedError, PermanentStorageError, RetrySettings, StorageError
 from checkpointing.manifest import Manifest, Writer
-from checkpointing.storage import AccessDeniedError, PermanentStorageError, RetrySettings, StorageError
 from checkpointing.store import (
     CheckpointError,
     CheckpointInfo,
@@ -40,7 +40,7 @@ __all__ = [
     "validate_name",
 ]
 
-_LAZY = {"read_weights": "checkpointing.peer_formats", "is_weights_file": "checkpointing.peer_formats"}
+_LAZY = {"read_weights": "checkpointing.peers.formats", "is_weights_file": "checkpointing.peers.formats"}
 
 
 def __getattr__(name: str) -> object:

@@ -20,8 +20,9 @@ import argparse
 import json
 import sys
 
-from checkpointing.protocols import check_store_url
-from checkpointing.storage import StorageError
+from checkpointing.io.protocols import check_store_url
+from checkpointing.io.storage import StorageError
+from checkpointing.io.untrusted import printable
 from checkpointing.store import (
     CHECKPOINTS,
     POINTER,
@@ -30,7 +31,6 @@ from checkpointing.store import (
     CheckpointStore,
     validate_name,
 )
-from checkpointing.untrusted import printable
 from checkpointing.uris import split_run_uri
 
 

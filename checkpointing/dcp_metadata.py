@@ -23,8 +23,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from checkpointing.io.untrusted import printable
 from checkpointing.serialization import CorruptCheckpointError, UnsafeCheckpointError
-from checkpointing.untrusted import printable
 
 _ALLOWED_GLOBALS = {
     ("torch", "Size"),

@@ -26,9 +26,10 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from checkpointing import confine
-from checkpointing.protocols import is_local_fs, open_url
-from checkpointing.storage import Storage
+from checkpointing.io import confine
+from checkpointing.io.protocols import is_local_fs, open_url
+from checkpointing.io.storage import Storage
+from checkpointing.peers.weights import WeightsError
 from checkpointing.store import (
     STATE_FILE,
     CheckpointInfo,
@@ -38,7 +39,6 @@ from checkpointing.store import (
     validate_name,
 )
 from checkpointing.uris import split_run_uri
-from checkpointing.weights import WeightsError
 
 FORMATS = ("torch", "safetensors")
 log = logging.getLogger(__name__)

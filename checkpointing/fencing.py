@@ -32,10 +32,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from checkpointing.io.storage import Storage
+from checkpointing.io.untrusted import (
+    MAX_CLAIM_BYTES,
+    MAX_INT,
+    MAX_LABEL,
+    DamagedFileError,
+    as_dict,
+    printable,
+    read_json,
+)
 from checkpointing.manifest import Writer
 from checkpointing.serialization import CheckpointError
-from checkpointing.storage import Storage
-from checkpointing.untrusted import MAX_CLAIM_BYTES, MAX_INT, MAX_LABEL, DamagedFileError, as_dict, printable, read_json
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from checkpointing.hashing import sha256_hex
-from checkpointing.untrusted import (
+from checkpointing.io.hashing import sha256_hex
+from checkpointing.io.untrusted import (
     MAX_INT,
     MAX_LABEL,
     MAX_MANIFEST_BYTES,

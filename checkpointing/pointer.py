@@ -13,9 +13,9 @@ import json
 import re
 from typing import Any
 
+from checkpointing.io.storage import Storage
+from checkpointing.io.untrusted import MAX_INT, MAX_POINTER_BYTES, DamagedFileError, as_dict, as_int, read_json
 from checkpointing.manifest import validate_name
-from checkpointing.storage import Storage
-from checkpointing.untrusted import MAX_INT, MAX_POINTER_BYTES, DamagedFileError, as_dict, as_int, read_json
 
 POINTER = "latest"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

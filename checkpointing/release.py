@@ -18,11 +18,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from checkpointing.localfs import UnsafePathError
+from checkpointing.io.localfs import UnsafePathError
+from checkpointing.io.storage import RetrySettings, Storage
+from checkpointing.io.untrusted import DamagedFileError, read_json
 from checkpointing.serialization import CheckpointError
-from checkpointing.storage import RetrySettings, Storage
 from checkpointing.store import CHECKPOINTS, validate_name
-from checkpointing.untrusted import DamagedFileError, read_json
 from checkpointing.uris import split_run_uri
 
 RELEASE = "release.json"

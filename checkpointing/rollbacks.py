@@ -41,10 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from checkpointing.hashing import sha256_hex
-from checkpointing.manifest import Manifest, is_valid_name
-from checkpointing.storage import Storage
-from checkpointing.untrusted import (
+from checkpointing.io.hashing import sha256_hex
+from checkpointing.io.storage import Storage
+from checkpointing.io.untrusted import (
     MAX_INT,
     MAX_LISTED,
     MAX_ROLLBACK_BYTES,
@@ -55,6 +54,7 @@ from checkpointing.untrusted import (
     printable,
     read_json,
 )
+from checkpointing.manifest import Manifest, is_valid_name
 
 ROLLBACKS = "rollbacks"
 RECORD_VERSION = 2

@@ -19,7 +19,7 @@ import pickle
 import struct
 from typing import Any
 
-from checkpointing.untrusted import printable
+from checkpointing.io.untrusted import printable
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose its zip reader
 # torch.save writes 6 records plus one per storage; a checkpoint of a million tensors is far beyond any model

@@ -31,8 +31,14 @@ from typing import Any
 
 from checkpointing import pointer, rollbacks
 from checkpointing.fencing import Fence, FencedError
-from checkpointing.hashing import in_background, sha256_hex
-from checkpointing.localfs import NOT_A_FILE, TOO_DEEP
+from checkpointing.io.hashing import in_background, sha256_hex
+from checkpointing.io.localfs import NOT_A_FILE, TOO_DEEP
+from checkpointing.io.storage import RetrySettings, Storage
+from checkpointing.io.untrusted import (
+    MAX_MANIFEST_BYTES,
+    DamagedFileError,
+    printable,
+)
 from checkpointing.manifest import (
     MANIFEST,
     FileEntry,
@@ -53,12 +59,6 @@ from checkpointing.serialization import (
     UnsafeCheckpointError,
     safe_load,
     serialize,
-)
-from checkpointing.storage import RetrySettings, Storage
-from checkpointing.untrusted import (
-    MAX_MANIFEST_BYTES,
-    DamagedFileError,
-    printable,
 )
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ every byte as it passes, so the manifest entry is ready when the file is closed 
 once. The same writer backs the DCP shards (``sharded.py``).
 
 Files are opened through the store's ``Storage``, so a local run folder's links are never followed
-(checkpointing/localfs.py); object stores have no links.
+(checkpointing/io/localfs.py); object stores have no links.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import IO, Any, cast
 
 import torch
 
-from checkpointing.hashing import BackgroundSha256
+from checkpointing.io.hashing import BackgroundSha256
+from checkpointing.io.storage import Storage
 from checkpointing.manifest import FileEntry, Writer
-from checkpointing.storage import Storage
 from checkpointing.store import (
     CHECKPOINTS,
     CheckpointInfo,
@@ -101,7 +101,7 @@ def remote_block_size(size_hint: int | None) -> int:
 @contextmanager
 def open_for_write(storage: Storage, key: str, size_hint: int | None = None) -> Iterator[IO[bytes]]:
     """A binary file handle to write ``key`` (about ``size_hint`` bytes); a local link there is removed, never
-    written through (see checkpointing/localfs.py)."""
+    written through (see checkpointing/io/localfs.py)."""
     with storage.open_write(key, block_size=remote_block_size(size_hint)) as f:
         yield f
 

@@ -38,8 +38,8 @@ from flows.artifact_content import cell, md_code, md_escape
 from flows.restarts import flow_run_attempt
 from flows.run_summary import summary_markdown
 from training.config import TrainConfig
-from training.loop import UnitResult
 from training.preemption import Preempted
+from training.unit.loop import UnitResult
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from flows import server
 from flows.server import prefect_api
 from training import preemption
 from training.config import ConfigError, TrainConfig, describe_error, load_config
-from training.config_text import short
+from training.config.text import short
 from training.preemption import INTERRUPTED, Preempted
 
 VERBOSE_FLAGS = ("--verbose", "-v")
@@ -78,13 +78,13 @@ def check_before_prefect(config: TrainConfig) -> None:
     build, a load_path that does not fit the model, a launch that would continue the run with another model or data order,
     a resume_from that names no checkpoint of the run. Imports
     torch and the recipe (the temporary server, started already, comes up meanwhile)."""
-    from training.identity import check_same_run
-    from training.preflight import preflight
-    from training.recipe import allow_recipe
-    from training.rollback import pending_roll_back
+    from training.recipe.loader import allow_recipe
     from training.run import check_resumable
-    from training.session import open_store
-    from training.warm_start import check_before_start
+    from training.start.identity import check_same_run
+    from training.start.preflight import preflight
+    from training.start.rollback import pending_roll_back
+    from training.start.warm_start import check_before_start
+    from training.unit.session import open_store
 
     if ":" in config.recipe:
         allow_recipe(config.recipe)

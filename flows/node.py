@@ -4,7 +4,7 @@ Nobody starts it by hand: the unit task of a train flow run (node 0) creates one
 deployment per other node (tasks/nodes.py), on the same work pool, so that the pool's workers put each node on a
 machine of their own. Its parameters — an offer and the gang's config — come through the API, where anyone who
 may create runs can write them; so the first thing it does is verify that node 0 of this pool signed the offer
-for this very config (training/nodes.py, with this worker's ``TRAIN_NODE_SECRET``). A forged, expired or unsigned
+for this very config (training/distributed/nodes.py, with this worker's ``TRAIN_NODE_SECRET``). A forged, expired or unsigned
 offer ends the run Failed with one line, before anything is started or connected to.
 """
 
@@ -19,15 +19,15 @@ from pydantic import ValidationError
 
 from flows import ship_module_logs
 from training.config import ConfigError, TrainConfig, describe_error
-from training.node_run import run_node
-from training.nodes import SECRET_ENV, verify_offer
+from training.distributed.node_run import run_node
+from training.distributed.nodes import SECRET_ENV, verify_offer
 
 
 @flow(name="rank-node", validate_parameters=True)
 def rank_node(offer: dict[str, Any], config: dict[str, Any]) -> str | State:
     """Joins node 0's rendezvous as the offer's node rank and runs its ranks until the gang ends."""
     logger = get_run_logger()
-    ship_module_logs()  # torchrun's lines, relayed by training.node_run, are this run's logs
+    ship_module_logs()  # torchrun's lines, relayed by training.distributed.node_run, are this run's logs
     try:
         accepted = verify_offer(offer, config, os.environ.get(SECRET_ENV))  # before anything else
         train_config = TrainConfig(**config)

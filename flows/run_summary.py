@@ -16,7 +16,7 @@ from flows import artifact_content as content
 from flows.artifact_content import md_code, md_escape
 from flows.restarts import flow_run_attempt, restart_count, retries_of
 from training.config import TrainConfig
-from training.loop import UnitResult
+from training.unit.loop import UnitResult
 
 
 def batch_size_changes(checkpoints: list[CheckpointInfo]) -> list[str]:

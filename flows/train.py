@@ -35,9 +35,9 @@ from tasks import evaluate, unit_outcome, unit_task
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.preemption import Preempted
-from training.recipe import allow_recipe
+from training.recipe.loader import allow_recipe
 from training.run import Run, TrainResult
-from training.warm import PROCESS
+from training.unit.warm import PROCESS
 
 __all__ = ["Preempted", "RestartLimitError", "TrainConfig", "TrainResult", "allow_recipe", "main", "train"]
 

@@ -180,7 +180,7 @@ class GPTRecipe:
         self.decay_lr, self.weight_decay, self.betas = decay_lr, weight_decay, (beta1, beta2)
         self.stride, self.val_fraction, self.compile = stride, val_fraction, compile
         self._compiled: tuple[nn.Module, Any] | None = None
-        self.ctx: Any = None  # the run context, set by the product (training.context.RunContext)
+        self.ctx: Any = None  # the run context, set by the product (training.recipe.context.RunContext)
         text, self.vocab, self.corpus_sha256 = read_corpus()
         self._stoi = {ch: i for i, ch in enumerate(self.vocab)}
         tokens = self.encode(text)

@@ -1,9 +1,9 @@
 """The Prefect side of training across machines: the unit task starts the other nodes as flow runs, and stops them.
 
-With ``nnodes = N > 1`` the unit task's process is node 0 (training/gang.py). It hands the gang a launcher
+With ``nnodes = N > 1`` the unit task's process is node 0 (training/distributed/gang.py). It hands the gang a launcher
 from here, which creates N-1 runs of the rank-node deployment (flows/node.py) on the deployment's work pool —
 a process, Docker or Kubernetes pool: its workers make each run a process, a container or a pod — each with
-one signed offer (training/nodes.py) and the gang's config as parameters. Which deployment is the worker's
+one signed offer (training/distributed/nodes.py) and the gang's config as parameters. Which deployment is the worker's
 setting (``TRAIN_NODE_DEPLOYMENT``, default ``rank-node/default``), never a parameter's.
 
 The node runs are created as children of the unit's task run: the UI shows them under it, and when the train
@@ -37,7 +37,7 @@ STOP_TIMEOUT = 60.0  # seconds for cancelled node runs to end (the worker's grac
 
 
 class PrefectNodeLauncher:
-    """Node runs of one gang, as flow runs of the rank-node deployment (a ``training.nodes.NodeLauncher``)."""
+    """Node runs of one gang, as flow runs of the rank-node deployment (a ``training.distributed.nodes.NodeLauncher``)."""
 
     def __init__(self, deployment: str, parent_task_run_id: UUID | None = None):
         self.deployment, self.parent = deployment, parent_task_run_id

@@ -21,13 +21,13 @@ from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
 from checkpointing import FencedError, NotACheckpointError, PermanentStorageError, UnsafeCheckpointError
-from checkpointing.localfs import LinkedLocationError
+from checkpointing.io.localfs import LinkedLocationError
 from tasks.nodes import node_launcher
 from training.config import ConfigError, TrainConfig
-from training.evaluation import evaluate_checkpoint
-from training.loop import UnitResult
 from training.preemption import Preempted
 from training.run import execute_unit
+from training.unit.evaluation import evaluate_checkpoint
+from training.unit.loop import UnitResult
 
 # Mistakes and permanent conditions: a retry would fail the same way, after a backoff and a wall of tracebacks.
 _NOT_RETRIED = (
@@ -36,14 +36,14 @@ _NOT_RETRIED = (
     FencedError,
     NotACheckpointError,
     PermanentStorageError,
-    LinkedLocationError,  # a location that became a link: training/trust.py
+    LinkedLocationError,  # a location that became a link: training/config/trust.py
 )
 T = TypeVar("T")
 # The names of a stopped task run's state (a Cancelled one); a preempted deployment run's Scheduled state is named
 # PREEMPTED too (flows/restarts.py).
 PREEMPTED, SUPERSEDED = "Preempted", "Superseded"
 JITTER = 0.5  # each retry waits its exponential delay times a random factor in [1, 1 + JITTER]
-_JITTER = random.SystemRandom()  # never the training thread's generator (training/rng.py)
+_JITTER = random.SystemRandom()  # never the training thread's generator (training/unit/rng.py)
 
 
 def retry_unless_permanent(task, task_run, state) -> bool:

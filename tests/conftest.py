@@ -22,7 +22,7 @@ os.environ["PREFECT_LOGGING_LEVEL"] = os.environ.get("PREFECT_LOGGING_LEVEL", "W
 for _key in [k for k in os.environ if k.startswith("TRAIN_")]:
     del os.environ[_key]
 
-# The tests' own recipes, allowed the way a worker allows recipes: in its environment (see training/recipe.py).
+# The tests' own recipes, allowed the way a worker allows recipes: in its environment (see training/recipe/loader.py).
 RECORDING = "tests.recipes_for_tests:RecordingRecipe"
 TEST_RECIPES = ",".join(
     [
@@ -73,8 +73,8 @@ def prefect_env(prefect_harness) -> dict[str, str]:
 def _fresh_process_state():
     """Each test starts without the in-memory state a previous test's unit left behind, and without the
     recipes a command line run in this process allowed for itself."""
-    from training import recipe
-    from training.warm import PROCESS
+    from training.recipe import loader as recipe
+    from training.unit.warm import PROCESS
 
     PROCESS.forget()
     yield

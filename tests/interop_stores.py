@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from checkpointing.protocols import is_local_fs, open_url
+from checkpointing.io.protocols import is_local_fs, open_url
 
 STORES = ["local", "memory", "s3"]
 

@@ -11,18 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from training.custom_loop import LoopContext
-    from training.rng import capture as capture_rng_state
-    from training.rng import restore as restore_rng_state
-    from training.sampler import ResumableBatchSampler
+    from training.position.sampler import ResumableBatchSampler
+    from training.unit.own_loop import LoopContext
+    from training.unit.rng import capture as capture_rng_state
+    from training.unit.rng import restore as restore_rng_state
 
 __all__ = ["LoopContext", "ResumableBatchSampler", "capture_rng_state", "restore_rng_state"]
 
 _EXPORTS = {
-    "LoopContext": ("training.custom_loop", "LoopContext"),
-    "ResumableBatchSampler": ("training.sampler", "ResumableBatchSampler"),
-    "capture_rng_state": ("training.rng", "capture"),
-    "restore_rng_state": ("training.rng", "restore"),
+    "LoopContext": ("training.unit.own_loop", "LoopContext"),
+    "ResumableBatchSampler": ("training.position.sampler", "ResumableBatchSampler"),
+    "capture_rng_state": ("training.unit.rng", "capture"),
+    "restore_rng_state": ("training.unit.rng", "restore"),
 }
 
 

@@ -27,19 +27,19 @@ from checkpointing.export import export_checkpoint
 from checkpointing.fencing import LEASE_STALE, Lease
 from checkpointing.uris import split_run_uri
 from training.config import TrainConfig
-from training.identity import check_same_run
-from training.limits import check_limits
-from training.loop import UnitResult, run_unit
-from training.nodes import NodeLauncher
-from training.overwrite import start_over, starts_over
+from training.config.limits import check_limits
+from training.config.trust import confine_locations, release_locations
+from training.distributed.nodes import NodeLauncher
+from training.position.progress import Progress, at, check_progress, is_complete, is_past, rescaled, unit_index
 from training.preemption import STOP, raise_if_requested
-from training.preflight import preflight
-from training.progress import Progress, at, check_progress, is_complete, is_past, rescaled, unit_index
-from training.recipe import uses_own_loop
-from training.rollback import pending_roll_back, roll_back
-from training.session import open_store
-from training.trust import confine_locations, release_locations
-from training.warm_start import check_load_path
+from training.recipe.loader import uses_own_loop
+from training.start.identity import check_same_run
+from training.start.overwrite import start_over, starts_over
+from training.start.preflight import preflight
+from training.start.rollback import pending_roll_back, roll_back
+from training.start.warm_start import check_load_path
+from training.unit.loop import UnitResult, run_unit
+from training.unit.session import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +89,10 @@ class Run:
         (a live previous attempt is asked to hand over first), rolled back if ``resume_from`` asks, and its start
         resolved. ``owner`` (e.g. a flow run id) and ``label`` say who trains in the run's claims; ``untrusted``: the
         config came from a flow-run parameter (its locations are checked, and every local file of the run is reached
-        from the worker's allowed roots without following a link until the run is closed: training/trust.py)."""
+        from the worker's allowed roots without following a link until the run is closed: training/config/trust.py)."""
         if not untrusted:
             return cls._open(config, attempt, owner, label)
-        check_limits(config)  # what one run may start on this worker: training/limits.py
+        check_limits(config)  # what one run may start on this worker: training/config/limits.py
         confine_locations(config)
         try:
             run = cls._open(config, attempt, owner, label)
@@ -145,7 +145,7 @@ class Run:
 
     def close(self) -> None:
         """Releases the run for the next attempt (at once, rather than when the lease goes stale)."""
-        from training.gang import close_gangs
+        from training.distributed.gang import close_gangs
 
         try:
             close_gangs()  # the rank processes of this attempt, if any
@@ -250,7 +250,7 @@ def resolve_start(config: TrainConfig, store: CheckpointStore) -> CheckpointInfo
 
 
 def check_resumable(config: TrainConfig, start: CheckpointInfo, epoch_size: int) -> None:
-    """The progress a run resumes from places it in its data (training/progress.py): else one ConfigError, before
+    """The progress a run resumes from places it in its data (training/position/progress.py): else one ConfigError, before
     the run is claimed. A loop of its own keeps its own counters (the product never positions its data)."""
     if uses_own_loop(config):
         return
@@ -324,13 +324,13 @@ def execute_unit(config: TrainConfig, *, unit: int, start_checkpoint: str | None
     distributed = config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp"
     own = uses_own_loop(config)
     if distributed:
-        from training.gang import run_on_gang
+        from training.distributed.gang import run_on_gang
 
         command = {"op": "loop" if own else "unit", "unit": unit, "start_checkpoint": start_checkpoint,
                    "attempt": attempt}  # fmt: skip
         result = run_on_gang(config, command, generation, on_report if own else None, launch_nodes)
     elif own:
-        from training.custom_loop import run_custom_loop
+        from training.unit.own_loop import run_custom_loop
 
         return run_custom_loop(config, attempt=attempt, generation=generation, on_report=on_report)
     else:

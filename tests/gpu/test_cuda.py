@@ -12,10 +12,10 @@ import torch
 
 from checkpointing import CheckpointStore
 from training.config import TrainConfig
-from training.gang import close_gangs
-from training.loop import InjectedFault
+from training.distributed.gang import close_gangs
 from training.run import Run, execute_unit
-from training.warm import PROCESS
+from training.unit.loop import InjectedFault
+from training.unit.warm import PROCESS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

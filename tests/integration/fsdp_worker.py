@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing import CheckpointStore, Writer
-from training import fsdp
+from training.unit import fsdp
 
 GLOBAL_BATCH = 16
 
@@ -126,7 +126,7 @@ def main() -> int:
     except BaseException:
         dist.destroy_process_group()
         raise
-    # As the product's ranks do (training/distributed.py): leave without gloo's teardown, which aborted a rank now
+    # As the product's ranks do (training/distributed/rank.py): leave without gloo's teardown, which aborted a rank now
     # and then under load ("terminate called without an active exception") after every result was written.
     sys.stdout.flush()
     sys.stderr.flush()

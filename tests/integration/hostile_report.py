@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from checkpointing import CheckpointStore
 from flows.artifacts import RunReport, artifact_key
 from training.config import TrainConfig
-from training.loop import UnitResult
+from training.unit.loop import UnitResult
 
 HOSTILE = (
     '<img src=x onerror="document.title=1"><b>bold</b> [click](javascript:alert(1)) ![i](http://127.0.0.1:9/t.png)'

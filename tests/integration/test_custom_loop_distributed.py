@@ -56,7 +56,7 @@ def final_weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
 
 
 def ranks_of(pid: int) -> list[int]:
-    return [p for p in descendants(pid) if b"training.distributed" in cmdline(p) and b"torch.distributed" not in
+    return [p for p in descendants(pid) if b"training.distributed.rank" in cmdline(p) and b"torch.distributed" not in
             cmdline(p)]  # fmt: skip
 
 

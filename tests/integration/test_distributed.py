@@ -78,7 +78,7 @@ def rank_processes(rank: int) -> list[int]:
         except OSError:
             continue
         if (
-            b"training.distributed" in cmdline
+            b"training.distributed.rank" in cmdline
             and b"torch.distributed.run" not in cmdline
             and (rank is None or f"RANK={rank}".encode() in environ)
             and this_worker(environ)

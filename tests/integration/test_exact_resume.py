@@ -8,7 +8,7 @@ import torch
 from checkpointing import CheckpointStore
 from flows.train import train
 from tests.conftest import RECORDING
-from training.sampler import epoch_order
+from training.position.sampler import epoch_order
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 N = 240  # samples in the synthetic dataset

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.peer_formats import read_weights
+from checkpointing.peers.formats import read_weights
 from flows.train import main, train
 from tests.conftest import ROOT
 from tests.interop_stores import STORES, put, store_root, torch_bytes

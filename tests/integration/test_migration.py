@@ -15,10 +15,10 @@ import torch
 
 from checkpointing import CheckpointStore
 from tests.interop_stores import put
-from training.loop import run_unit
-from training.progress import Progress
+from training.position.progress import Progress
 from training.run import Run
-from training.session import restore
+from training.unit.loop import run_unit
+from training.unit.session import restore
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
 RAY = next((PEERS / "ray").iterdir())

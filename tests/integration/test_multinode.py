@@ -30,8 +30,8 @@ from tests.integration.hosts import Hosts, alive, available
 from tests.integration.stack_client import client, logs_of, start_run, wait_for, wait_for_state
 from tests.integration.test_distributed import steps_by_rank
 from training.config import TrainConfig
-from training.gang import DistributedUnitError, run_on_gang
-from training.nodes import NodeOffer, Rendezvous, config_digest, make_offers, sign_offer
+from training.distributed.gang import DistributedUnitError, run_on_gang
+from training.distributed.nodes import NodeOffer, Rendezvous, config_digest, make_offers, sign_offer
 
 pytestmark = pytest.mark.slow
 NODE = "rank-node/default"
@@ -136,7 +136,7 @@ def rank_hosts(cluster: Cluster, rank: int) -> list[int]:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"training.distributed" in cmdline and b"torch.distributed.run" not in cmdline \
+            if b"training.distributed.rank" in cmdline and b"torch.distributed.run" not in cmdline \
                     and f"RANK={rank}".encode() in environ:  # fmt: skip
                 found.append(i)
     return found
@@ -229,7 +229,9 @@ def test_forged_expired_or_unsigned_offers_are_refused_before_connecting_anywher
         logs = "\n".join(
             log.message for log in c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(runs.values()))))
         )
-    assert "rank process(es), rendezvous" not in logs  # training/node_run.py's line before it starts torchrun
+    assert (
+        "rank process(es), rendezvous" not in logs
+    )  # training/distributed/node_run.py's line before it starts torchrun
     with pytest.raises(BlockingIOError):
         listener.accept()  # no node connected to the rendezvous the offers named
     listener.close()

@@ -22,10 +22,10 @@ from flows.train import train
 from tests.conftest import RECORDING
 from tests.faults import FaultProxy
 from training.config import ConfigError
-from training.loop import UnitResult
-from training.progress import Progress
+from training.position.progress import Progress
+from training.position.sampler import epoch_order
 from training.run import MAX_REPEATS, RepeatGuard
-from training.sampler import epoch_order
+from training.unit.loop import UnitResult
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -202,7 +202,7 @@ def rank_pid(launch: Launch, rank: int) -> int | None:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        is_rank = b"training.distributed" in cmdline and b"torch.distributed.run" not in cmdline
+        is_rank = b"training.distributed.rank" in cmdline and b"torch.distributed.run" not in cmdline
         if is_rank and f"RANK={rank}".encode() in environ:
             return pid
     return None

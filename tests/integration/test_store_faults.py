@@ -2,7 +2,7 @@
 tenacity layer, permanent ones fail at once, credentials go nowhere, and async uploads never tear.
 
 s3fs and botocore retry some faults themselves; these tests turn that off (``no_library_retries``) so that
-what absorbs the faults is ``checkpointing.storage``, and they check that it did (its retry warnings).
+what absorbs the faults is ``checkpointing.io.storage``, and they check that it did (its retry warnings).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from checkpointing import (
     StorageError,
     Writer,
 )
-from checkpointing.storage import Storage
+from checkpointing.io.storage import Storage
 from flows.train import train
 from tests.conftest import MOTO_SECRET_KEY, RECORDING
 from tests.faults import DROP, DROP_AFTER, FaultProxy, error_xml
 
 FAST_RETRY = RetrySettings(attempts=12, max_seconds=60, initial_wait=0.01, max_wait=0.1)
-RETRY_LOG = "checkpointing.storage"
+RETRY_LOG = "checkpointing.io.storage"
 
 
 @pytest.fixture

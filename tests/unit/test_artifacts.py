@@ -169,7 +169,7 @@ def test_an_unreachable_prefect_api_costs_warnings_never_the_run(tmp_path, caplo
 
     from checkpointing import CheckpointStore
     from flows.artifacts import RunReport
-    from training.loop import UnitResult
+    from training.unit.loop import UnitResult
 
     config = TrainConfig(run_name="offline", save_folder=str(tmp_path), max_duration="2ep")
     results = [

@@ -14,9 +14,9 @@ import torch
 
 from checkpointing import CheckpointStore, Writer
 from training.config import ConfigError
-from training.loop import run_unit
-from training.optimizer_state import check_entries, check_groups
 from training.run import Run
+from training.start.optimizer_state import check_entries, check_groups
+from training.unit.loop import run_unit
 
 FIX = "set load_weights_only=true to take the weights alone"
 ROOT = Path(__file__).resolve().parents[2]

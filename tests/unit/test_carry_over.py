@@ -13,11 +13,11 @@ import torch
 
 from checkpointing import CheckpointStore
 from training.config import ConfigError
-from training.loop import run_unit
-from training.recipe import allow_recipe
+from training.recipe.loader import allow_recipe
 from training.run import Run
-from training.session import restore
-from training.warm_start import check_load_path
+from training.start.warm_start import check_load_path
+from training.unit.loop import run_unit
+from training.unit.session import restore
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
 COMPOSER = str(PEERS / "composer" / "ep2.pt")

@@ -10,8 +10,8 @@ import pytest
 
 from checkpointing import CheckpointStore
 from training.config import ConfigError, TrainConfig, load_config
-from training.loop import run_unit
 from training.run import Run
+from training.unit.loop import run_unit
 
 
 def train_to_end(config, attempt: int = 1):

@@ -1,5 +1,5 @@
 """A deployment run's files stay under the worker's allowed roots at the moment of use, even through links planted in
-an allowed folder before the run or swapped in while it trains (training/trust.py, checkpointing/confine.py).
+an allowed folder before the run or swapped in while it trains (training/config/trust.py, checkpointing/io/confine.py).
 
 Each test opens the run as a deployment run does (``Run.open(untrusted=True)`` with ``TRAIN_ALLOWED_ROOTS`` set),
 plants real links with ``os.symlink``, and checks the one line the run fails with and that nothing was written or
@@ -16,13 +16,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from checkpointing import CheckpointStore, confine
-from checkpointing.localfs import LinkedLocationError
+from checkpointing import CheckpointStore
+from checkpointing.io import confine
+from checkpointing.io.localfs import LinkedLocationError
 from recipes.synthetic import SyntheticRecipe
 from training.config import ConfigError
-from training.loop import run_unit
 from training.run import Run, execute_unit
-from training.warm_start import check_load_path
+from training.start.warm_start import check_load_path
+from training.unit.loop import run_unit
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
 LINK_LINE = "a symbolic link below the allowed root (TRAIN_ALLOWED_ROOTS); a deployment run never reads or writes"

@@ -12,10 +12,10 @@ from checkpointing import CheckpointStore
 from checkpointing.commit import Committer
 from training import LoopContext, ResumableBatchSampler
 from training.config import ConfigError
-from training.custom_loop import LoopEndedEarlyError, ReportError, run_custom_loop
-from training.identity import check_same_run
-from training.preflight import preflight
-from training.warm import SessionCache
+from training.start.identity import check_same_run
+from training.start.preflight import preflight
+from training.unit.own_loop import LoopEndedEarlyError, ReportError, run_custom_loop
+from training.unit.warm import SessionCache
 
 OWN_LOOP = "recipes.custom_loop:CustomLoopRecipe"
 

@@ -16,13 +16,13 @@ import torch
 
 from checkpointing import CheckpointStore, Writer
 from checkpointing.export import export_checkpoint
-from checkpointing.peer_formats import read_weights
-from checkpointing.weights import load_into
+from checkpointing.peers.formats import read_weights
+from checkpointing.peers.weights import load_into
 from recipes.synthetic import SyntheticRecipe
 from tests.conftest import ROOT
 from tests.interop_stores import STORES, store_root
 from training.config import TrainConfig
-from training.recipe import load_recipe
+from training.recipe.loader import load_recipe
 
 RECIPE = "recipes.synthetic:SyntheticRecipe"
 ARGS = {"hidden": 8, "num_layers": 3}  # not the defaults: a rebuild without them would not fit

@@ -13,9 +13,9 @@ import torch
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
 from recipes.gpt import GPTRecipe
-from training.loop import run_unit
-from training.recipe import load_recipe, open_dataset
-from training.warm import PROCESS
+from training.recipe.loader import load_recipe, open_dataset
+from training.unit.loop import run_unit
+from training.unit.warm import PROCESS
 
 TINY = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
 

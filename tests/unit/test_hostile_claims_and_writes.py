@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from checkpointing.localfs import LocalFiles
-from checkpointing.untrusted import MAX_CLAIM_BYTES
+from checkpointing.io.localfs import LocalFiles
+from checkpointing.io.untrusted import MAX_CLAIM_BYTES
 from tests.conftest import ROOT
 from tests.hostile import DEEP, run_of
 
@@ -45,7 +45,7 @@ def test_a_local_write_killed_midway_leaves_the_old_latest_whole(tmp_path):
         [
             sys.executable,
             "-c",
-            f"from checkpointing.localfs import LocalFiles; LocalFiles({str(tmp_path)!r}).write('latest', b'n' * {len(new)})",
+            f"from checkpointing.io.localfs import LocalFiles; LocalFiles({str(tmp_path)!r}).write('latest', b'n' * {len(new)})",
         ],
         cwd=ROOT,
     )

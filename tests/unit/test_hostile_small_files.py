@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from checkpointing import CheckpointError, Writer
-from checkpointing.untrusted import MAX_MANIFEST_BYTES, MAX_POINTER_BYTES
+from checkpointing.io.untrusted import MAX_MANIFEST_BYTES, MAX_POINTER_BYTES
 from tests.conftest import ROOT
 from tests.hostile import DEEP, NAMES, forge_manifest, run_of, weights_of
 

@@ -12,7 +12,7 @@ import torch
 
 from checkpointing import CorruptCheckpointError, UnsafeCheckpointError, sharded
 from checkpointing.export import export_checkpoint
-from checkpointing.peer_formats import read_weights
+from checkpointing.peers.formats import read_weights
 from tests.hostile import deflated, run_of, torch_bytes, vouch, weights_of
 
 ZEROS = 16 << 20  # 16 Mi floats: 64 MiB unpacked, ~64 KiB deflated

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.protocols import open_url
+from checkpointing.io.protocols import open_url
 from recipes.synthetic import SyntheticRecipe
 from training.config import ConfigError, load_config
-from training.loop import run_unit
 from training.run import Run
-from training.warm_start import load_weights
+from training.start.warm_start import load_weights
+from training.unit.loop import run_unit
 
 
 def test_every_checkpoint_carries_a_weights_file_under_its_manifest(make_config, backend):

@@ -1,5 +1,5 @@
 """A node joins only a rendezvous that node 0 of its pool signed for this very config, before it expires
-(training/nodes.py); the pool's secret stays out of what the ranks see; a node stops when node 0 goes silent."""
+(training/distributed/nodes.py); the pool's secret stays out of what the ranks see; a node stops when node 0 goes silent."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from flows.train import main
 from training.config import ConfigError, TrainConfig
-from training.gang import run_on_gang
-from training.node_run import NodeFailed, supervise
-from training.nodes import (
+from training.distributed.gang import run_on_gang
+from training.distributed.node_run import NodeFailed, supervise
+from training.distributed.nodes import (
     SECRET_ENV,
     NodeOffer,
     OfferRefused,
@@ -169,7 +169,7 @@ def test_every_node_runs_torchruns_static_rendezvous_at_node_0_with_its_own_rank
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert {"--nnodes=3", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=static", "--max-restarts=0",
             "--rdzv-endpoint=10.1.2.3:29500", "--rdzv-id=rt-x"} <= set(cmd)  # fmt: skip
-    assert cmd[-4:] == ["-m", "training.distributed", "--config", "/tmp/c.json"]
+    assert cmd[-4:] == ["-m", "training.distributed.rank", "--config", "/tmp/c.json"]
 
 
 def sleeper() -> subprocess.Popen:

@@ -15,9 +15,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from checkpointing.peer_formats import is_weights_file, optimizer_state_for, read_peer_checkpoint, read_weights
-from checkpointing.safe_types import load_with_peer_types
-from checkpointing.weights import WeightsError, load_into
+from checkpointing.peers.formats import is_weights_file, optimizer_state_for, read_peer_checkpoint, read_weights
+from checkpointing.peers.safe_types import load_with_peer_types
+from checkpointing.peers.weights import WeightsError, load_into
 from recipes.synthetic import SyntheticRecipe
 from tests.interop_stores import STORES, put, store_root, torch_bytes
 
@@ -281,7 +281,7 @@ def test_a_folder_with_several_weights_files_is_refused_naming_them(tmp_path):
 # -- end to end: a run of this product continues from a peer's file ------------------------------------
 @pytest.mark.parametrize("file", ["composer/ep2.pt", "lightning/last.ckpt"])
 def test_a_run_trains_from_a_peers_checkpoint_through_run_unit(file, make_config):
-    from training.loop import run_unit  # the unit's Prefect-free path, as train_unit runs it
+    from training.unit.loop import run_unit  # the unit's Prefect-free path, as train_unit runs it
 
     ref = reference(file.split("/")[0])
     prefix = "model." if file.startswith("lightning") else ""

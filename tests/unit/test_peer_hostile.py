@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from checkpointing import UnsafeCheckpointError
-from checkpointing.peer_formats import read_peer_checkpoint, read_weights
-from checkpointing.safe_types import load_with_peer_types
-from checkpointing.weights import WeightsError
+from checkpointing.peers.formats import read_peer_checkpoint, read_weights
+from checkpointing.peers.safe_types import load_with_peer_types
+from checkpointing.peers.weights import WeightsError
 from tests.interop_stores import torch_bytes
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
@@ -149,7 +149,7 @@ def test_a_subclass_of_an_allowed_type_is_refused(value, tmp_path):
 
 def test_the_stand_ins_cannot_be_named_by_a_file(tmp_path):
     for name in ("_Array", "_Dtype", "_reconstruct"):
-        refused(tmp_path, torch_file(call(G("checkpointing.safe_types", name))))
+        refused(tmp_path, torch_file(call(G("checkpointing.peers.safe_types", name))))
 
 
 # -- NumPy's reconstructors abused ---------------------------------------------------------------------

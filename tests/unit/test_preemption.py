@@ -16,10 +16,10 @@ import torch
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
 from training import preemption
-from training.custom_loop import run_custom_loop
 from training.preemption import STOP, Preempted
 from training.run import Run, execute_unit
-from training.warm import SessionCache
+from training.unit.own_loop import run_custom_loop
+from training.unit.warm import SessionCache
 
 SIGNALLED = "tests.recipes_for_tests:SignalledRecipe"
 SIGNALLED_LOOP = "tests.own_loop_recipes:SignalledLoopRecipe"

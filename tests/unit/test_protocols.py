@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from checkpointing import CheckpointStore
-from checkpointing.protocols import with_endpoint_alias
+from checkpointing.io.protocols import with_endpoint_alias
 from tests.conftest import ROOT
 from training.config import TrainConfig, describe_error
 

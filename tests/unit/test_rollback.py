@@ -9,7 +9,7 @@ import torch
 
 from checkpointing import CheckpointStore, Writer
 from training.config import ConfigError, TrainConfig
-from training.rollback import pending_roll_back, roll_back
+from training.start.rollback import pending_roll_back, roll_back
 
 LOSSES = [0.9, 0.5, 0.7, 0.6]  # not monotonic: best-first differs from newest-first
 NAMES = [f"ep{i}-ba{8 * i}-sa{256 * i}" for i in range(1, 5)]
@@ -57,7 +57,7 @@ def test_a_roll_back_sets_later_checkpoints_aside_without_deleting_them(store):
     assert [i.name for i in store.list()] == NAMES  # still there, manifests and all
     assert all(store.check(n, deep=True) == [] for n in NAMES)
     assert store.set_aside() == NAMES[2:]
-    # the state a unit restores (training.session uses load_latest) is the roll-back's target
+    # the state a unit restores (training.unit.session uses load_latest) is the roll-back's target
     loaded = store.load_latest(["state.pt"])
     assert loaded.info.name == NAMES[1]
     assert torch.equal(loaded.objects["state.pt"]["state"]["model"]["w"], torch.full((4,), 2.0))

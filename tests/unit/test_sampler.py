@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from training.config import Duration
-from training.progress import Progress, ends_unit, rescaled, samples_left
-from training.sampler import ResumableBatchSampler, epoch_order
+from training.position.progress import Progress, ends_unit, rescaled, samples_left
+from training.position.sampler import ResumableBatchSampler, epoch_order
 
 
 def consume(num_samples: int, segments: list[tuple[int, int]], seed: int = 3, world_size: int = 1) -> list[int]:

@@ -229,7 +229,7 @@ def test_a_ddp_launch_on_a_sharded_run_is_refused_not_silently_restarted(tmp_pat
     """Without the check, the DDP loader finds no state.pt in any checkpoint and would fall back past all of
     them: a fresh start over a run that has checkpoints."""
     from training.config import ConfigError
-    from training.loop import run_unit
+    from training.unit.loop import run_unit
 
     two_sharded((str(tmp_path / "runs"), None))
     with pytest.raises(ConfigError, match=r"checkpoint s2 is sharded \(written with parallelism='fsdp'\)"):

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
 from recipes.synthetic import SyntheticRecipe
-from training import rng
 from training.config import ConfigError
-from training.loop import run_unit
-from training.preflight import preflight
-from training.warm import PROCESS
+from training.start.preflight import preflight
+from training.unit import rng
+from training.unit.loop import run_unit
+from training.unit.warm import PROCESS
 
 NO_DROPOUT = {"num_samples": 256, "dropout": 0.0}
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import ROOT, TEST_RECIPES
 from training.config import ConfigError, TrainConfig
-from training.recipe import allowed_recipes, load_recipe, recipe_class
+from training.recipe.loader import allowed_recipes, load_recipe, recipe_class
 
 
 @pytest.fixture
@@ -65,13 +65,15 @@ def test_the_command_line_allows_the_recipe_it_names_for_its_own_process_only(tm
     """`python -m flows.train --recipe pkg:Cls` by hand may run it; the allow-list of other processes is unchanged."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "home")}
     code = (
-        "import sys; from training.recipe import allow_recipe, resolve_recipe;"
+        "import sys; from training.recipe.loader import allow_recipe, resolve_recipe;"
         "allow_recipe('tests.recipes_for_tests:RecordingRecipe');"
         "print(resolve_recipe('tests.recipes_for_tests:RecordingRecipe'))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "tests.recipes_for_tests:RecordingRecipe", proc.stderr
-    refuse = "from training.recipe import resolve_recipe; resolve_recipe('tests.recipes_for_tests:RecordingRecipe')"
+    refuse = (
+        "from training.recipe.loader import resolve_recipe; resolve_recipe('tests.recipes_for_tests:RecordingRecipe')"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", refuse], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )

@@ -13,7 +13,7 @@ from checkpointing import CheckpointStore
 from recipes.synthetic import SyntheticRecipe
 from tests.interop_stores import torch_bytes
 from training.config import ConfigError, TrainConfig
-from training.warm_start import check_load_path, load_weights
+from training.start.warm_start import check_load_path, load_weights
 
 RECIPE = "recipes.synthetic:SyntheticRecipe"
 
@@ -76,7 +76,7 @@ def test_strict_options_on_a_full_state_folder_are_refused(tmp_path):
 
 def test_non_strict_load_logs_how_many_keys_were_skipped_and_missing(weights_file, caplog):
     path, _ = weights_file
-    with caplog.at_level(logging.INFO, logger="training.warm_start"):
+    with caplog.at_level(logging.INFO, logger="training.start.warm_start"):
         load_weights(
             config(path, recipe_args={"num_classes": 5}, load_strict=False),
             SyntheticRecipe(num_classes=5).build_model(),

@@ -11,8 +11,8 @@ import safetensors.torch
 import torch
 
 from checkpointing import UnsafeCheckpointError
-from checkpointing.peer_formats import is_weights_file, read_weights
-from checkpointing.weights import WeightsError, load_into
+from checkpointing.peers.formats import is_weights_file, read_weights
+from checkpointing.peers.weights import WeightsError, load_into
 from recipes.synthetic import SyntheticRecipe
 from tests.interop_stores import STORES, put, store_root, torch_bytes
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from training.config import ConfigError
-from training.node_run import run_node
-from training.nodes import NodeOffer
+from training.distributed.node_run import run_node
+from training.distributed.nodes import NodeOffer
 from training.run import Run
 
 

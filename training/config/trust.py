@@ -1,0 +1,114 @@
+"""Where a run may read and write, as the worker's environment allows: never a flow-run parameter's choice.
+
+Anyone who may create runs of a deployment chooses its parameters. A recipe is code, so the recipes a run may
+name are an allow-list of the worker (training/recipe/loader.py). Storage is the same kind of power: ``load_path`` could
+read another team's checkpoint (or ``/etc/passwd``) into the creator's run, ``export_on_complete`` could write
+anywhere the worker can, and ``save_folder`` could point the worker's credentials at any bucket. So when a run's
+parameters are untrusted (a deployment run: ``Run.open(untrusted=True)``), every location it names must lie under
+a root the worker allows:
+
+    TRAIN_ALLOWED_ROOTS="s3://team-bucket/runs,/mnt/shared/weights"    # comma-separated, in the worker's env
+
+Unset, the worker allows one root: its own default ``save_folder`` (``TRAIN_SAVE_FOLDER``, else ``runs`` in the
+flow's working directory). The check runs before any I/O, so a refused location's existence, size and type are
+never revealed, and the message quotes the option's value, never a byte of any file. A local path is compared as
+written, and no folder or file on its way below the root may be a symbolic link (links at or above a root are the
+operator's own). A check by path holds only until the path changes: ``confine_locations`` also confines this
+process's local files to the roots until the run ends, each reached from its root without following a link at the
+moment it is opened (checkpointing/io/confine.py), so a folder replaced by a link mid-run, or a link inside an allowed
+weights folder, fails the run in one line. ``python -m flows.train`` and ``train()`` called from Python are the
+person's own choices and are not checked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import fsspec
+
+from checkpointing.io import confine
+from checkpointing.io.localfs import LinkedLocationError
+from training.config import ConfigError, TrainConfig
+
+ROOTS_ENV = "TRAIN_ALLOWED_ROOTS"
+LOCATIONS = ("save_folder", "load_path", "export_on_complete")
+_LOCAL = ("file", "local")
+
+
+def allowed_roots() -> list[str]:
+    """The roots this worker allows, normalized (``protocol://path`` or an absolute local path)."""
+    raw = os.environ.get(ROOTS_ENV)
+    if raw is None:
+        raw = os.environ.get("TRAIN_SAVE_FOLDER") or str(TrainConfig.model_fields["save_folder"].default)
+    roots = [_normalized(item.strip(), ROOTS_ENV) for item in raw.split(",") if item.strip()]
+    return [r for r in roots if r is not None]
+
+
+def local_root_forms() -> list[str]:
+    """The local roots, as written and with their own links resolved: a location may be written under either."""
+    local = [root for root in allowed_roots() if root.startswith("/")]
+    return sorted(set(local) | {os.path.realpath(root) for root in local})
+
+
+def confine_locations(config: TrainConfig) -> None:
+    """``check_locations``, then this process's local files stay confined to the roots (each opened from its root,
+    through no link) until ``release_locations``: a deployment run's whole life."""
+    confine.enter(local_root_forms())
+    try:
+        check_locations(config)
+    except BaseException:
+        confine.leave()
+        raise
+
+
+def release_locations() -> None:
+    confine.leave()
+
+
+def check_locations(config: TrainConfig) -> None:
+    """ConfigError unless every location ``config`` names lies under a root this worker allows, with no link below
+    the root on its way."""
+    roots = allowed_roots() + local_root_forms()
+    for option in LOCATIONS:
+        value = getattr(config, option)
+        if value is None:
+            continue
+        where = _normalized(str(value), option)
+        if where is None or not any(_within(where, root) for root in roots):
+            raise ConfigError(
+                f"{option}={value!r} is outside the locations this worker allows ({ROOTS_ENV}="
+                f"{','.join(allowed_roots()) or 'nothing'}); use a location under one of them, or ask the worker's operator to "
+                f"add one to {ROOTS_ENV} in the worker's environment"
+            )
+        if where.startswith("/"):
+            _check_no_link(str(value), option)
+
+
+def _normalized(value: str, option: str) -> str | None:
+    """``protocol://bucket/path`` without a trailing slash, or an absolute local path as written; None for a
+    remote URL with '.', '..' or empty segments (which stores and fsspec read in different ways)."""
+    protocol, path = fsspec.core.split_protocol(value)
+    protocol = (protocol or "file").lower()
+    if protocol in _LOCAL:
+        return _local(path)
+    segments = path.rstrip("/").split("/")
+    if any(s in ("", ".", "..") for s in segments):
+        return None
+    return f"{protocol}://{'/'.join(segments)}"
+
+
+def _within(where: str, root: str) -> bool:
+    return where == root or where.startswith(root.rstrip("/") + "/")
+
+
+def _local(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _check_no_link(value: str, option: str) -> None:
+    """ConfigError when a folder or file on the way from the root to a local ``value`` is a symbolic link."""
+    with confine.confined(local_root_forms()):
+        try:
+            confine.check(fsspec.core.split_protocol(value)[1], f"{option}={value!r}")
+        except LinkedLocationError as exc:
+            raise ConfigError(str(exc)) from None

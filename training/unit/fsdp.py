@@ -1,0 +1,168 @@
+"""FSDP2 for a unit: a recipe's model sharded with ``fully_shard``, saved and loaded as a sharded checkpoint.
+
+With DDP every rank holds the whole model, its gradients and its optimizer state, and rank 0 writes one
+``state.pt``: the model must fit (twice) in one process. FSDP2 keeps 1/world of each parameter and of its
+optimizer state on each rank; ``get_state_dict`` gives those shards as DTensors, and
+``checkpointing.sharded`` writes each rank's shards in parallel under the manifest → ``latest`` protocol.
+Loading reshards, so the world size may change between units.
+
+Besides the shards, a checkpoint holds two kinds of small ``torch.save`` files: ``extra.pt`` (rank 0's
+``extra``: progress, scheduler state, anything every rank shares) and ``extra-rank<r>.pt`` (each rank's
+``rank_extra``: its RNG states). A rank that did not exist when the checkpoint was written gets
+``rank=None`` and must seed a stream of its own.
+
+The process group (gloo on CPU, nccl on CUDA) is set up by ``training.distributed.rank.main`` as for DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from checkpointing import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    CorruptCheckpointError,
+    Writer,
+    ranks,
+    sharded,
+)
+from checkpointing.commit import PendingCommit, Retention, commit_sharded
+
+logger = logging.getLogger(__name__)
+
+EXTRA_FILE = "extra.pt"
+
+
+def rank_extra_file(rank: int) -> str:
+    return f"extra-rank{rank}.pt"
+
+
+@dataclass
+class LoadedExtra:
+    """What ``load_sharded`` gives back besides the model and optimizer it loaded in place."""
+
+    common: dict[str, Any]  # rank 0's ``extra`` at save time
+    rank: dict[str, Any] | None  # this rank's ``rank_extra`` at save time; None if the world grew
+    files_read: list[str] = field(default_factory=list)  # by this rank: what "reads only what it needs" means
+
+
+def shard_model(model: nn.Module, device: torch.device, *, units: Iterable[nn.Module] | None = None) -> nn.Module:
+    """Moves ``model`` to ``device`` and shards it in place with FSDP2: each of ``units`` (default: every
+    submodule that owns parameters itself) gets its own ``fully_shard``, then the root. Returns ``model``.
+
+    The mesh is built for ``device``'s type, not guessed: a CPU run on a machine with a GPU stays on gloo."""
+    model.to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    chosen = list(units) if units is not None else [m for m in model.modules() if _owns_parameters(m, model)]
+    for module in chosen:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _owns_parameters(module: nn.Module, root: nn.Module) -> bool:
+    return module is not root and any(True for _ in module.parameters(recurse=False))
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}``, sharded (DTensors), keyed by parameter names (not ids), as DCP
+    saves them. ``get_state_dict`` first creates optimizer state that a fresh optimizer lacks."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_sharded(
+    store: CheckpointStore,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    *,
+    rank_extra: dict[str, Any] | None = None,
+    progress: dict[str, int],
+    metadata: dict[str, Any] | None = None,
+    writer: Writer,
+    retention: Retention | None = None,
+) -> PendingCommit:
+    """Every rank calls it: writes its shards and its ``rank_extra``; rank 0 also ``extra``, then commits
+    (manifest, then ``latest``) through the one commit path. Every rank returns the committed checkpoint or
+    raises the same error."""
+    rank = dist.get_rank()
+    files = {rank_extra_file(rank): rank_extra or {}}
+    if rank == 0:
+        files[EXTRA_FILE] = extra
+    return commit_sharded(
+        store,
+        progress,
+        state_dicts(model, optimizer),
+        files,
+        metadata={**(metadata or {}), "parallelism": "fsdp"},
+        writer=writer,
+        retention=retention or Retention(),
+    )
+
+
+def load_sharded(
+    store: CheckpointStore, info: CheckpointInfo, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> LoadedExtra:
+    """Every rank calls it: loads ``info`` into the sharded ``model`` and ``optimizer`` (resharding to this
+    world size) and returns the small extras. CorruptCheckpointError on every rank if any rank's files fail
+    their check; the model may then hold part of the checkpoint: load another one before training."""
+    rank = dist.get_rank()
+    files = sharded.load_files(store, info, [EXTRA_FILE, rank_extra_file(rank)])
+    if EXTRA_FILE not in files:
+        raise CorruptCheckpointError(f"{info.uri}: the manifest lists no {EXTRA_FILE}")
+    state = state_dicts(model, optimizer)
+    read = sharded.load_state(store, info, state)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return LoadedExtra(
+        common=files[EXTRA_FILE], rank=files.get(rank_extra_file(rank)), files_read=[*sorted(files), *read]
+    )
+
+
+def restore_latest(
+    store: CheckpointStore, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[CheckpointInfo, LoadedExtra] | None:
+    """Loads the run's newest checkpoint that verifies, falling back past corrupt ones; None if there is
+    none. Rank 0 picks each candidate, so every rank tries the same one."""
+    candidates = store.candidates() if dist.get_rank() == 0 else iter(())
+    while (info := ranks.on_rank0(lambda: next(candidates, None))) is not None:
+        if not sharded.is_sharded(info):
+            raise CheckpointError(
+                f"{info.uri} is not sharded (written with parallelism="
+                f"{info.manifest.metadata.get('parallelism', 'ddp')!r}); FSDP resumes only from sharded checkpoints"
+            )
+        try:
+            return info, load_sharded(store, info, model, optimizer)
+        except CorruptCheckpointError as exc:
+            logger.warning("skipping checkpoint %s: %s", info.name, exc)
+    return None
+
+
+def full_model_state(model: nn.Module) -> dict[str, Any]:
+    """The whole model's state_dict on rank 0's CPU (other ranks get {}); every rank calls it. For
+    evaluation, export and tests: it holds the full model in one process."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state, whole, on rank 0's CPU (others get {}); every rank calls it."""
+    model_state, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {"model": model_state, "optimizer": optimizer_state}

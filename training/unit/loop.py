@@ -1,0 +1,363 @@
+"""One unit of training, in plain PyTorch: resolve where to start, train to the unit boundary, commit.
+
+Every unit begins by resolving the run's newest good checkpoint (``session.restore``), so a Prefect
+retry, a restarted flow or a new process elsewhere all resume the same way. A stop request (a termination
+signal, a newer attempt taking over: training/preemption.py) ends the unit early at a step boundary, with a
+checkpoint there, and raises ``Preempted``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch.utils.data import DataLoader
+
+from checkpointing import CheckpointStore
+from checkpointing.commit import PendingCommit
+from training import preemption
+from training.config import ConfigError, TrainConfig
+from training.position.progress import crossed, ends_unit, is_complete, samples_left, unit_index
+from training.position.sampler import ResumableBatchSampler
+from training.preemption import Preempted, SaveBudget, Stop
+from training.unit import session as sessions
+from training.unit.evaluation import evaluate_model, to_device
+from training.unit.session import SINGLE_PROCESS, Session, World
+from training.unit.warm import PROCESS, SessionCache
+
+logger = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``inject_fault_at_step``: a deliberate, retryable failure for demos and tests."""
+
+
+class UnitResult(BaseModel):
+    """What a unit (or a ``train_loop`` report) reports: small, no tensors."""
+
+    unit: int
+    checkpoint: str
+    checkpoint_name: str
+    checkpoint_committed: bool  # False while its background upload is still in flight
+    progress: dict[str, int]
+    complete: bool
+    origin: str  # where the unit's state came from: "store", "memory", "load_path" or "fresh"
+    resumed_from: str  # the same, for people
+    steps: int
+    attempt: int = 1  # this unit's attempt (a Prefect retry is attempt 2, ...)
+    previous_failure: str = ""  # why the attempt before it failed, when the orchestrator recorded it
+    metrics: dict[str, float]
+    num_train_samples: int
+    world_size: int = 1
+
+
+class _StopAtStep(Exception):
+    """Internal: a stop request was agreed at a step boundary (or during an evaluation)."""
+
+    def __init__(self, stop: Stop):
+        super().__init__(stop.reason)
+        self.stop = stop
+
+
+BUDGETS: dict[str, SaveBudget] = {}  # per run (store URI): this process's save times, for the grace budget
+
+
+def run_unit(
+    config: TrainConfig,
+    *,
+    start_checkpoint: str | None = None,
+    attempt: int = 1,
+    generation: int = 0,
+    world: World = SINGLE_PROCESS,
+    cache: SessionCache = PROCESS,
+) -> UnitResult:
+    """Trains one unit and commits its checkpoint. ``start_checkpoint`` is where the flow expects it to start
+    (this process's state is reused only for that one); ``generation`` fences stale writers."""
+    store = sessions.open_store(config)
+    budget = BUDGETS.setdefault(store.uri, SaveBudget(config.preemption_grace_seconds))
+    session, origin = cache.take(config, store, start_checkpoint, world)
+    if world.size > 1 and not _everywhere(session is not None):
+        if session is not None:
+            cache.release(session)
+        session = origin = None
+    if session is None or origin is None:
+        cache.committer.wait_quietly()  # a cold resume must see what the previous unit committed
+        session, origin = sessions.restore(config, store, world)
+    unit = unit_index(session.progress, config.interval)
+    p = session.progress
+    if world.rank == 0:
+        logger.info("unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
+                    unit, attempt, origin.text, p.epoch, p.step, p.samples_seen)  # fmt: skip
+    try:
+        metrics, steps, stop = _train(config, session, unit, attempt)
+        if stop is not None and steps == 0:
+            raise _preempted(stop, origin.checkpoint, session, None, cache)
+        if stop is not None and not budget.fits(stop):
+            raise _preempted(stop, origin.checkpoint, session, None, cache, budget.why_not(stop))
+        pending = _commit(config, store, session, cache, metrics, generation)
+        stall = metrics["checkpoint_seconds"]
+        budget.observe(stall)  # and once an upload in the background is done, the whole commit: a stop waits for it
+        pending.when_committed(lambda seconds: budget.observe(max(seconds, stall)))
+        if stop is not None:
+            raise _preempted(stop, pending.name, session, metrics["checkpoint_seconds"], cache)
+        if is_complete(session.progress, config.duration):
+            cache.committer.wait()  # the run is done only when its last checkpoint is committed
+    except BaseException:
+        cache.release(session)  # a failed attempt's state must not leak into the retry
+        raise
+    cache.keep(config, store, session, pending.name)
+    if world.rank == 0:
+        _log_unit_done(unit, session, pending, metrics)
+    return UnitResult(
+        unit=unit,
+        checkpoint=pending.uri,
+        checkpoint_name=pending.name,
+        checkpoint_committed=pending.committed,
+        progress=session.progress.as_dict(),
+        complete=is_complete(session.progress, config.duration),
+        origin=origin.kind,
+        resumed_from=origin.text,
+        steps=steps,
+        attempt=attempt,
+        metrics=metrics,
+        num_train_samples=len(session.dataset),
+        world_size=world.size,
+    )
+
+
+def _preempted(
+    stop: Stop, checkpoint: str | None, s: Session, seconds: float | None, cache: SessionCache, note: str = ""
+) -> Preempted:
+    """The exception that ends a stopped unit; an upload still in flight is finished first (within the grace).
+    ``seconds``: the save's stall; the upload waited for here is added, so the figure is the whole commit's."""
+    started = time.monotonic()
+    try:
+        cache.committer.wait()
+    except Exception as exc:  # that upload is lost; the relaunch resumes from what did commit
+        note = f"{note}; the background upload before it failed ({type(exc).__name__})".lstrip("; ")
+    if seconds is not None:
+        seconds += time.monotonic() - started
+    return Preempted(stop, checkpoint, s.progress.step, seconds, note)
+
+
+def _everywhere(ok: bool) -> bool:
+    """True on every rank when ``ok`` is True on every rank (a collective)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[str, float]) -> None:
+    p, how = s.progress, "committed in" if pending.committed else "handed to the upload after"
+    logger.info(
+        "unit %d done: train_loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
+        "%d samples seen",
+        unit, metrics["train_loss"], metrics["samples_per_second"], pending.name, pending.size_bytes / 1e6, how,
+        metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen,
+    )  # fmt: skip
+
+
+def _commit(
+    config: TrainConfig,
+    store: CheckpointStore,
+    s: Session,
+    cache: SessionCache,
+    metrics: dict[str, float],
+    generation: int,
+) -> PendingCommit:
+    """Single process: save. Several: rank 0 gathers every rank's RNG state, saves, tells the others.
+    FSDP: every rank writes its own shards."""
+    if config.parallelism == "fsdp":
+        return sessions.save_sharded(config, store, s, metrics, generation)
+    if s.world.size == 1:
+        return sessions.save(config, store, s, cache.committer, metrics, generation)
+    import torch.distributed as dist
+
+    from training.unit import rng
+
+    s.rng_state = rng.capture()
+    states: list[Any] | None = [None] * s.world.size if s.world.rank == 0 else None
+    dist.gather_object(s.rng_state, states, dst=0)
+    box: list[Any] = [None]
+    if s.world.rank == 0:
+        try:
+            info = sessions.save(config, store, s, cache.committer, metrics, generation, rng_states=states).wait()
+            box = [(info, dict(metrics), None)]
+        except Exception as exc:
+            box = [(None, None, exc)]
+    dist.broadcast_object_list(box, src=0)  # every rank learns what was committed, or rank 0's error
+    info, committed_metrics, error = box[0]
+    if error is not None:
+        raise error
+    metrics.update(committed_metrics)
+    return PendingCommit.of(info)
+
+
+# -- train ----------------------------------------------------------------------------------------
+def _train(config: TrainConfig, s: Session, unit: int, attempt: int) -> tuple[dict[str, float], int, Stop | None]:
+    """Trains to the end of the unit, or to the step boundary where a stop was agreed (returned)."""
+    p, epoch_size = s.progress, len(s.dataset)
+    s.model.train()
+    losses: list[float] = []
+    norms: list[float] = []
+    evaluated: dict[str, float] = {}
+    start_samples, t0 = p.samples_seen, time.perf_counter()
+    stop = preemption.agreed_stop(s.world.size)  # asked during start-up: nothing trained, nothing to save
+    while stop is None and not is_complete(p, config.duration):
+        sampler, loader = _loader(config, s, epoch_size)
+        unit_over, batches = False, iter(loader)
+        for micro, global_n in sampler.steps():
+            if s.hooks.on_train_batch is not None:
+                s.hooks.on_train_batch([i for ids in micro for i in ids])  # every step, even an empty share
+            if s.hooks.train_step is not None:
+                losses.append(_own_step(s, s.hooks.train_step, next(batches), sum(map(len, micro)), global_n))
+            else:
+                losses.append(_step(s, micro, global_n, batches))
+            if s.ctx is not None and s.ctx.last_grad_norm is not None:
+                norms.append(s.ctx.last_grad_norm)
+            epoch_ended = p.advance(global_n, epoch_size)
+            try:
+                if config.eval_every is not None and crossed(p, config.eval_every, epoch_ended, global_n):
+                    evaluated = _evaluate(config, s)
+            except _StopAtStep as stopped:  # the evaluation was cut short; the step it followed stands
+                stop = stopped.stop
+                break
+            if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
+                rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
+                logger.info("unit %d: step %d, epoch %d, sample %d/%d, train_loss %.4f, %.0f samples/s", unit,
+                            p.step, p.epoch, p.sample_in_epoch or epoch_size, epoch_size, losses[-1], rate)  # fmt: skip
+            if config.inject_fault_at_step == p.step and attempt == 1:
+                raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
+            if ends_unit(p, config.interval, config.duration, epoch_ended, global_n):
+                unit_over = True
+                break
+            stop = preemption.agreed_stop(s.world.size)
+            if stop is not None:
+                break
+        if unit_over:
+            break
+    seconds = time.perf_counter() - t0
+    trained = p.samples_seen - start_samples
+    metrics = {
+        "train_loss": sum(losses) / max(len(losses), 1),
+        "samples": float(trained),
+        "train_seconds": seconds,
+        "samples_per_second": trained / max(seconds, 1e-9),
+        **({"grad_norm": sum(norms) / len(norms)} if norms else {}),
+        **evaluated,
+    }
+    return metrics, len(losses), stop
+
+
+def _evaluate(config: TrainConfig, s: Session) -> dict[str, float]:
+    """Evaluates inside the unit (eval_interval); the metrics, prefixed ``eval_``, go into the checkpoint's
+    manifest. Every process evaluates (an FSDP forward needs them all); the training RNG is not touched. A stop
+    agreed between two evaluation batches cuts it short (``_StopAtStep``)."""
+    assert s.ctx is not None
+
+    def stop_check() -> None:
+        stop = preemption.agreed_stop(s.world.size)
+        if stop is not None:
+            raise _StopAtStep(stop)
+
+    model = s.forward_model or s.model  # evaluated in micro-batches: no more memory than a training pass holds
+    metrics = evaluate_model(s.recipe, model, s.device, s.ctx.micro_batch_size, s.ctx, between_batches=stop_check)
+    s.model.train()
+    out = {f"eval_{k}": v for k, v in metrics.items()}
+    attribute = config.checkpoint_score_attribute
+    if attribute and attribute.startswith("eval_") and attribute not in out:
+        raise ConfigError(
+            f"checkpoint_score_attribute={attribute!r}: the recipe's evaluate reports {sorted(out) or 'nothing'}; "
+            f"choose one of those"
+        )
+    out["eval_step"] = float(s.progress.step)
+    if s.world.rank == 0:
+        logger.info("evaluation at step %d: %s", s.progress.step,
+                    ", ".join(f"eval_{k} {v:.4f}" for k, v in metrics.items()))  # fmt: skip
+    return out
+
+
+def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[ResumableBatchSampler, DataLoader]:
+    p = s.progress
+    left = samples_left(p, config.duration)
+    stop = epoch_size if left is None else min(epoch_size, p.sample_in_epoch + left)
+    sampler = ResumableBatchSampler(
+        epoch_size,
+        config.global_batch_size,
+        seed=config.seed,
+        epoch=p.epoch,
+        start=p.sample_in_epoch,
+        stop=stop,
+        shuffle=config.shuffle,
+        rank=s.world.rank,
+        world_size=s.world.size,
+        micro_batches=config.grad_accumulation if s.hooks.train_step is None else 1,
+    )
+    # The loader's own generator (worker seeds) is derived from the position, not from global RNG.
+    generator = torch.Generator().manual_seed(hash((config.seed, p.epoch, p.sample_in_epoch, s.world.rank)) % 2**63)
+    # forkserver: workers forked straight from a Prefect process (which runs threads) died at exit.
+    context = "forkserver" if config.num_workers else None
+    loader = DataLoader(
+        s.dataset,
+        batch_sampler=sampler,
+        num_workers=config.num_workers,
+        generator=generator,
+        collate_fn=s.hooks.collate_fn,
+        pin_memory=s.device.type == "cuda",
+        multiprocessing_context=context,
+    )
+    return sampler, loader
+
+
+def _step(s: Session, micro: list[list[int]], global_n: int, batches: Iterator[Any]) -> float:
+    """One optimizer step over this process's micro-batches (``grad_accumulation`` of them), each loaded,
+    run and freed in turn. Each backward is weighted by ``world_size * len(micro-batch) / global_n``, so
+    the gradient summed over micro-batches and averaged over processes is the global batch's mean; DDP
+    syncs gradients only on the last micro-batch. Returns this process's mean loss over its samples."""
+    ctx = s.ctx
+    assert ctx is not None
+    model = s.forward_model or s.model
+    s.optimizer.zero_grad(set_to_none=True)
+    total, count, last_loss = 0.0, 0, 0.0
+    for j, ids in enumerate(micro):
+        batch = to_device(next(batches), s.device)
+        ctx.batch_weight = s.world.size * len(ids) / global_n
+        with _gradient_sync(s, last=j == len(micro) - 1):
+            with ctx.autocast():
+                loss = s.recipe.loss(model, batch)
+            ctx.backward(loss)
+        last_loss = float(loss.detach())
+        total, count = total + last_loss * len(ids), count + len(ids)
+        del batch, loss  # the micro-batch's activations are freed before the next one is loaded
+    ctx.step(s.optimizer)
+    if s.scheduler is not None:
+        s.scheduler.step()
+    return total / count if count else last_loss
+
+
+def _own_step(s: Session, train_step: Any, batch: Any, n: int, global_n: int) -> float:
+    """The recipe's ``train_step(ctx, batch)``, with the whole share of the step; the scheduler stays ours."""
+    ctx = s.ctx
+    assert ctx is not None
+    ctx.batch_weight = s.world.size * n / global_n
+    loss = train_step(ctx, to_device(batch, s.device))
+    if s.scheduler is not None:
+        s.scheduler.step()
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def _gradient_sync(s: Session, last: bool) -> Any:
+    """DDP's all-reduce only on the last micro-batch of a step: the others accumulate locally."""
+    set_sync = getattr(s.model, "set_requires_gradient_sync", None)  # an FSDP2 module
+    if callable(set_sync):
+        set_sync(last)
+        return contextlib.nullcontext()
+    no_sync = getattr(s.forward_model, "no_sync", None)
+    return contextlib.nullcontext() if last or not callable(no_sync) else no_sync()

@@ -1,0 +1,383 @@
+"""A loop of your own: Ray Train's model (``get_checkpoint`` / ``report``) on this product's commit path.
+
+A recipe that defines ``train_loop(self, ctx)`` trains however it likes; the product builds nothing and owns no
+DataLoader. Inside the loop the user calls ``ctx.get_checkpoint()`` (the run's newest good reported state, or
+None for a fresh run) and ``ctx.report(metrics, state=...)`` at boundaries of their choosing. A report with a
+``state`` is a checkpoint committed the way a unit's is (checkpointing/commit.py: files, manifest, ``latest``,
+fencing, retention, a background upload where enabled); one without is a metrics-only report (logged and shown
+in the UI, nothing committed).
+
+Several processes (``nproc_per_node``/``nnodes`` > 1): every rank runs the loop under torchrun (the gang of
+training/distributed/gang.py); ``ctx.rank``/``ctx.world_size`` say where it runs, ``ctx.get_checkpoint()`` returns the same
+state on every rank, and ``ctx.report(...)`` is called by every rank at the same point: rank 0's ``state`` and
+metrics are committed (as Ray keeps rank 0's checkpoint), every rank gets the result. ``ctx.prepare_model`` wraps
+a model for DDP and ``ctx.sampler`` gives each rank its exact share of every global batch, resumable at a sample
+and across world-size changes (``ResumableBatchSampler``). ``ctx.should_stop`` and ``ctx.should_checkpoint`` are
+collectives then: read them at the same point on every rank.
+
+``max_duration`` is measured on the counters the loop reports (``epoch``, ``step``, ``samples_seen``; ``step``
+defaults to the previous report's + 1). The run is complete once a report with a state reaches it:
+``ctx.should_stop`` turns True, and a relaunch returns at once. A report past that point is committed and warned
+about. A loop that returns before any report reached ``max_duration`` fails the run (not retried).
+
+Preemption (training/preemption.py): on a termination signal ``ctx.should_checkpoint`` turns True (and
+``ctx.preempted``); the loop should report its state there. That report is committed and then raises
+``Preempted``, which ends the attempt; the relaunch's ``get_checkpoint()`` returns it. A loop that never looks
+keeps training until its next report (committed, then ``Preempted``) or until the SIGKILL after the grace
+period; what it trained since its last report is then lost.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from checkpointing import CheckpointInfo, CheckpointStore, CorruptCheckpointError, Writer, ranks
+from checkpointing import commit as commits
+from checkpointing.commit import Committer, PendingCommit
+from checkpointing.store import STATE_FILE
+from training import preemption
+from training.config import ConfigError, TrainConfig
+from training.position.progress import Progress, is_complete
+from training.position.sampler import ResumableBatchSampler
+from training.preemption import Preempted
+from training.recipe.context import RunContext
+from training.recipe.loader import load_recipe
+from training.start.identity import check_same_run
+from training.unit import rng
+from training.unit.loop import InjectedFault, UnitResult
+from training.unit.reported_state import ReportError, check_loadable, check_metrics
+from training.unit.session import SINGLE_PROCESS, World, checkpoint_metadata, open_store, pick_device, retention
+from training.unit.session import use_async_upload as async_upload
+from training.unit.warm import PROCESS, SessionCache
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("epoch", "step", "samples_seen")
+OnReport = Callable[[UnitResult], None]
+
+
+class LoopEndedEarlyError(ConfigError):
+    """``train_loop`` returned before any report reached ``max_duration``. Never retried."""
+
+
+class LoopContext(RunContext):
+    """The run context of ``train_loop(ctx)`` (everything of ``RunContext``: ``global_batch_size``, ``seed``,
+    ``rank``, ``world_size``, ``device``, ``max_duration``, ...) plus ``get_checkpoint``, ``report``,
+    ``should_stop``, ``should_checkpoint``, ``prepare_model``, ``sampler`` and ``attempt`` (1, then 2, ... on
+    Prefect retries). ``num_train_samples`` stays None: the product never sees the loop's data (set it yourself to
+    use ``ctx.total_steps`` with an '<n>ep' duration)."""
+
+    attempt: int
+
+    def __init__(self, config: TrainConfig, store: CheckpointStore, *, committer: Committer, generation: int = 0,
+                 attempt: int = 1, world: World = SINGLE_PROCESS, on_report: OnReport | None = None):  # fmt: skip
+        base = RunContext.of(config, rank=world.rank, world_size=world.size, local_rank=world.local_rank,
+                             device=pick_device(config, world))  # fmt: skip
+        super().__init__(**{name: getattr(base, name) for name in RunContext.__dataclass_fields__})
+        self.attempt = attempt
+        self._config, self._store, self._committer, self._world = config, store, committer, world
+        self._generation, self._on_report = generation, on_report
+        committer.wait_quietly()  # a previous attempt's upload: let it land (or fail) before reading the store
+        self._at: CheckpointInfo | None = ranks.on_rank0(store.latest)
+        self._progress = self._recorded(self._at)  # the newest report's counters (committed or metrics-only)
+        self._committed = dict(self._progress)  # the newest committed report's counters
+        self._resumed_from = self._at
+        self._asked = False
+        self._last: PendingCommit | None = None
+        self._last_metrics: dict[str, float] = {}
+        self._num_reports = 0  # by this attempt
+        self._warned_past_end = False
+
+    # -- the user's verbs -------------------------------------------------------------------------
+    def get_checkpoint(self) -> dict[str, Any] | None:
+        """The ``state`` of the run's newest good report (loaded with ``weights_only=True``), or None when the run
+        has none yet; the same on every rank. Call it at the top of ``train_loop``: a retry or a relaunch continues
+        from what it returns."""
+        self._asked = True
+        self._committer.wait_quietly()
+        candidates = self._store.candidates() if self._world.rank == 0 else iter(())
+        while (info := ranks.on_rank0(lambda: next(candidates, None))) is not None:
+            try:
+                loaded = ranks.on_every_rank(lambda: self._store.load(info, [STATE_FILE]))
+            except CorruptCheckpointError as exc:
+                logger.warning("skipping checkpoint %s: %s", info.name, exc)
+                continue
+            check_same_run(self._config, info)
+            state = loaded.objects.get(STATE_FILE)
+            if not isinstance(state, dict) or "state" not in state:
+                raise ConfigError(f"{info.uri} was not written by ctx.report (no 'state'); use a new run_name")
+            self._at = self._resumed_from = info
+            self._progress = self._committed = self._recorded(info)
+            return state["state"]
+        self._at = self._resumed_from = None
+        self._progress = self._committed = self._recorded(None)
+        return ranks.on_every_rank(lambda: load_path_state(self._config)) if self._config.load_path else None
+
+    def report(self, metrics: Mapping[str, Any], state: Mapping[str, Any] | None = None, *, step: int | None = None,
+               epoch: int | None = None, samples_seen: int | None = None) -> None:  # fmt: skip
+        """Reports ``metrics``; with ``state`` (tensors and plain containers: ``model.state_dict()``,
+        ``optimizer.state_dict()``, counters, a sampler position) also commits it as the run's newest checkpoint.
+
+        ``epoch`` (completed epochs), ``step`` and ``samples_seen`` are the run's progress counters; each one left
+        out keeps the previous report's value, except ``step``, which then counts reports. ``max_duration`` is
+        checked against them (``should_stop``). Every rank calls it when several train. Raises ReportError for a
+        state that would need code to load, and ``Preempted`` after committing when a stop was requested."""
+        values = check_metrics(metrics)
+        previous_step = self._progress["step"]
+        progress = self._next_progress({"epoch": epoch, "step": step, "samples_seen": samples_seen})
+        progress, values = ranks.on_rank0(lambda: (progress, values))  # rank 0's counters and metrics count
+        self._warn_if_unusual(progress)
+        stop = preemption.agreed_stop(self._world.size)
+        seconds: float | None = None
+        if state is not None:
+            ranks.on_rank0(lambda: check_loadable(state))  # rank 0's state is the one committed
+            t0 = time.perf_counter()
+            pending = self._commit(values, state, progress)
+            seconds = values["checkpoint_seconds"] = time.perf_counter() - t0
+            self._last, self._committed = pending, dict(progress)
+        self._progress, self._last_metrics, self._num_reports = progress, values, self._num_reports + 1
+        self._log_report(values, progress, state is not None)
+        self._tell_flow(self.result(steps=progress["step"] - previous_step))
+        if stop is not None:
+            name = self._last.name if self._last else (self._at.name if self._at else None)
+            raise Preempted(
+                stop, name, progress["step"], seconds, "" if state is not None else "(a metrics-only report)"
+            )
+        if self._config.inject_fault_at_step == progress["step"] and self.attempt == 1:
+            raise InjectedFault(f"injected fault after the report at step {progress['step']} (attempt 1)")
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a report (this attempt's or the one resumed from) reached ``max_duration``."""
+        return is_complete(Progress.from_dict(self._progress), self.max_duration)
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """True when the run was asked to stop (a termination signal, or a newer attempt taking over): report
+        your state now. A collective when several processes train: read it at the same point on every rank."""
+        return preemption.agreed_stop(self._world.size) is not None
+
+    @property
+    def preempted(self) -> bool:
+        """The same as ``should_checkpoint`` (Lightning's and NeMo's name for it)."""
+        return self.should_checkpoint
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` on this rank's device, wrapped in DDP when several processes train (Ray's ``prepare_model``).
+        Load a checkpoint's weights before wrapping, and save ``model.module.state_dict()`` (or keep the unwrapped
+        model) so that the saved keys carry no ``module.`` prefix."""
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def sampler(self, num_samples: int, *, epoch: int = 0, start: int = 0, shuffle: bool = True) -> Any:
+        """This rank's share of each global batch of ``global_batch_size`` over a dataset of ``num_samples``, from
+        sample ``start`` of epoch ``epoch`` (``ResumableBatchSampler``): save ``epoch`` and the sample position in
+        your state and resume exactly, at any world size."""
+        return ResumableBatchSampler(num_samples, self.global_batch_size, seed=self.seed, epoch=epoch, start=start,
+                                     shuffle=shuffle, rank=self.rank, world_size=self.world_size)  # fmt: skip
+
+    # -- the product's side -------------------------------------------------------------------------
+    def finish(self) -> UnitResult:
+        """After ``train_loop`` returned: waits for the last upload, then checks that the run is complete."""
+        self._committer.wait()  # the run is done only when its last checkpoint is committed (errors are retried)
+        p = self._committed
+        if not is_complete(Progress.from_dict(p), self.max_duration):
+            raise LoopEndedEarlyError(
+                f"train_loop returned after {self._num_reports} report(s) in this attempt, at epoch {p['epoch']}, "
+                f"step {p['step']}, {p['samples_seen']} samples (its newest report with a state), before "
+                f"max_duration={self._config.max_duration} (measured on the counters passed to ctx.report): loop "
+                f"while not ctx.should_stop and report a state at the end, pass epoch=/step=/samples_seen= to "
+                f"ctx.report, or set max_duration to what the loop trains (with no counters passed, '<n>ba' is n "
+                f"reports)"
+            )
+        return self.result(steps=p["step"] - self._start_step, unit=0)  # the whole loop: the flow's only unit
+
+    def result(self, steps: int, unit: int | None = None) -> UnitResult:
+        """The run's newest report as a UnitResult: ``unit`` is the report's number (0-based) unless given."""
+        info, origin, last = self._at, self._resumed_from, self._last
+        return UnitResult(
+            unit=max(self._report_index, 0) if unit is None else unit,
+            checkpoint=last.uri if last else (info.uri if info else ""),
+            checkpoint_name=last.name if last else (info.name if info else ""),
+            checkpoint_committed=last.committed if last else True,
+            progress=dict(self._progress),
+            complete=self.should_stop,
+            origin="store" if origin else "fresh",
+            resumed_from=f"checkpoint {origin.name}" if origin else "fresh initialization",
+            steps=max(steps, 0),
+            attempt=self.attempt,
+            metrics=self._last_metrics or (dict(info.metrics) if info else {}),
+            num_train_samples=0,
+            world_size=self._world.size,
+        )
+
+    # -- helpers ------------------------------------------------------------------------------------
+    @staticmethod
+    def _recorded(info: CheckpointInfo | None) -> dict[str, int]:
+        recorded = info.progress if info else {}
+        return {k: int(recorded.get(k, 0)) for k in COUNTERS}
+
+    @property
+    def _report_index(self) -> int:
+        """Reports of the run so far, minus one: the newest report's number (0-based), -1 before any."""
+        recorded = self._last.metadata.get("report") if self._last else None
+        if recorded is None and self._at is not None:
+            recorded = self._at.manifest.metadata.get("report", -1)
+        return int(recorded) if isinstance(recorded, int) else -1
+
+    @property
+    def _start_step(self) -> int:
+        return int(self._resumed_from.progress.get("step", 0)) if self._resumed_from else 0
+
+    def _next_progress(self, given: dict[str, int | None]) -> dict[str, int]:
+        previous = self._progress
+        progress = {k: previous[k] if v is None else v for k, v in given.items()}
+        if given["step"] is None:
+            progress["step"] = previous["step"] + 1
+        for name, value in progress.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ReportError(f"ctx.report({name}={value!r}): use a non-negative int")
+            if value < previous[name]:
+                raise ReportError(
+                    f"ctx.report({name}={value}): the run's newest report is at {name}={previous[name]}; counters "
+                    f"never go back. Call ctx.get_checkpoint() at the top of train_loop and continue from its state"
+                )
+        return progress
+
+    def _warn_if_unusual(self, progress: dict[str, int]) -> None:
+        if self._at is not None and not self._asked and self._num_reports == 0:
+            logger.warning("train_loop reported without calling ctx.get_checkpoint() although the run has checkpoint "
+                           "%s: its training restarted from scratch while the counters continue", self._at.name)  # fmt: skip
+        if self.should_stop and progress != self._progress and not self._warned_past_end:
+            self._warned_past_end = True
+            logger.warning(
+                "train_loop reported epoch %d, step %d, %d samples after max_duration=%s was reached (at epoch %d, "
+                "step %d): the run was already complete; loop while not ctx.should_stop", progress["epoch"],
+                progress["step"], progress["samples_seen"], self.max_duration, *map(self._progress.get, COUNTERS[:2]),
+            )  # fmt: skip
+
+    def _commit(self, metrics: dict[str, float], state: Mapping[str, Any], progress: dict[str, int]) -> PendingCommit:
+        """Rank 0 commits its state; every rank gets the result (or rank 0's error)."""
+        config, store = self._config, self._store
+        index = self._report_index + 1
+        full = {**progress, "global_batch_size": config.global_batch_size}
+        metadata = {**checkpoint_metadata(config, None, metrics), "world_size": self._world.size,
+                    "train_loop": True, "report": index}  # fmt: skip
+
+        def commit() -> PendingCommit:
+            request = commits.request(
+                store, full, {STATE_FILE: {"state": dict(state), "progress": full}}, metadata=metadata,
+                writer=Writer.current(self._generation), retention=retention(config),
+                background=async_upload(config, store) and self._world.size == 1,
+                network_weights=config.save_network_weights,
+            )  # fmt: skip
+            return self._committer.send(request)
+
+        if self._world.size == 1:
+            return commit()
+        info = ranks.on_rank0(lambda: commit().wait())
+        return PendingCommit.of(info)
+
+    def _log_report(self, values: dict[str, float], progress: dict[str, int], committed: bool) -> None:
+        if self._world.rank != 0:
+            return
+        text = ", ".join(f"{k} {v:.4g}" for k, v in values.items() if k != "checkpoint_seconds") or "no metrics"
+        saved = "metrics only"
+        if committed and self._last is not None:
+            how = "committed in" if self._last.committed else "handed to the upload after"
+            saved = f"checkpoint {self._last.name} ({self._last.size_bytes / 1e6:.1f} MB) {how} " \
+                    f"{values['checkpoint_seconds']:.2f}s"  # fmt: skip
+        logger.info("report %d: %s; %s; epoch %d, step %d, %d samples seen", max(self._report_index, 0), text,
+                    saved, progress["epoch"], progress["step"], progress["samples_seen"])  # fmt: skip
+
+    def _tell_flow(self, result: UnitResult) -> None:
+        if self._on_report is None:
+            return
+        try:
+            self._on_report(result)
+        except Exception as exc:  # the UI is a report of the checkpoints, never a reason to stop training
+            logger.warning("report hook failed (%s: %s); training goes on", type(exc).__name__, exc)
+
+
+def load_path_state(config: TrainConfig) -> dict[str, Any]:
+    """What ``get_checkpoint()`` returns for a run that has no checkpoint of its own yet but a ``load_path`` (Ray's
+    ``resume_from_checkpoint``): the reported state of that checkpoint or run folder, or ``{"model": weights}`` of a
+    weights file (or of a folder with ``load_weights_only``)."""
+    from checkpointing import open_checkpoint_uri
+    from checkpointing.peers.formats import is_weights_file, read_weights
+
+    uri = str(config.load_path)
+    if is_weights_file(uri, config.storage_options):
+        weights = read_weights(uri, config.storage_options)
+        logger.info("no checkpoint of this run yet: get_checkpoint() returns {'model': ...} of load_path (%s)",
+                    weights.description)  # fmt: skip
+        return {"model": weights.state_dict}
+    loaded = open_checkpoint_uri(uri, storage_options=config.storage_options, files=[STATE_FILE])
+    state = loaded.objects[STATE_FILE]["state"]
+    if config.load_weights_only:
+        return {"model": state["model"]}
+    logger.info("no checkpoint of this run yet: get_checkpoint() returns the state of %s (load_path)", loaded.info.uri)
+    return dict(state)
+
+
+def run_custom_loop(config: TrainConfig, *, attempt: int = 1, generation: int = 0, world: World = SINGLE_PROCESS,
+                    cache: SessionCache = PROCESS, on_report: OnReport | None = None) -> UnitResult:  # fmt: skip
+    """Runs ``recipe.train_loop(ctx)`` once (an attempt) on this rank and returns the run's newest report."""
+    store = open_store(config)
+    rng.seed_all(config.seed)  # the loop's fresh initialization: the same on every attempt and every rank
+    ctx = LoopContext(config, store, committer=cache.committer, generation=generation, attempt=attempt,
+                      world=world, on_report=on_report)  # fmt: skip
+    recipe: Any = load_recipe(config, ctx)
+    if world.rank == 0:
+        logger.info("train_loop (attempt %d) on %d process(es): the run's newest report is %s", attempt, world.size,
+                    ctx._at.name if ctx._at else "none (fresh)")  # fmt: skip
+    try:
+        recipe.train_loop(ctx)
+        return ctx.finish()
+    except BaseException as exc:
+        misfit = state_misfit(config, exc)
+        # A retry runs in this process: the failed loop's locals (model, optimizer, batches) must not outlive it.
+        traceback.clear_frames(exc.__traceback__)
+        if misfit is not None:
+            raise misfit from exc
+        raise
+    finally:
+        recipe.ctx = None
+        del recipe
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# Where torch refuses a state that does not fit: raised in these functions, an error repeats on every attempt.
+_LOADERS = ("torch/nn/modules/module.py", "torch/optim/optimizer.py")
+
+
+def state_misfit(config: TrainConfig, exc: BaseException) -> ConfigError | None:
+    """A ConfigError (never retried) for torch's ``load_state_dict`` refusing the state the loop loads into its model
+    or optimizer: the same checkpoint and the same model fail the same way on every attempt and on every rank (a
+    retry only spent its backoff to reach the same line). None for anything else."""
+    if not isinstance(exc, (RuntimeError, ValueError)) or isinstance(exc, torch.OutOfMemoryError):
+        return None
+    frames = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    if not frames or frames[-1].co_name != "load_state_dict" or not frames[-1].co_filename.endswith(_LOADERS):
+        return None
+    what = "optimizer" if frames[-1].co_filename.endswith(_LOADERS[1]) else "model"
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__  # torch's, no keys
+    return ConfigError(
+        f"recipe {config.recipe!r}: train_loop loaded a state that does not fit its {what} ({first}); every attempt "
+        f"would fail the same way, so it is not retried. Check recipe and recipe_args against the state "
+        f"ctx.get_checkpoint() returns (load_path={config.load_path!r}, or this run's newest report), or start a new "
+        f"run_name"
+    )

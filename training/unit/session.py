@@ -1,0 +1,400 @@
+"""A run's live objects: built, restored from the store, and saved back.
+
+Restore order (Composer's autoresume, made safe): the run's newest good checkpoint, else ``load_path``
+(optionally weights only), else a fresh seeded initialization. What outlives one unit in a process (the
+warm session and the background committer) is kept by ``training.unit.warm.SessionCache``, not here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from checkpointing import CheckpointStore, LoadedCheckpoint, Writer, open_checkpoint_uri
+from checkpointing import commit as commits
+from checkpointing.commit import Committer, PendingCommit, Retention
+from checkpointing.io.storage import RetrySettings
+from checkpointing.store import STATE_FILE
+from training.config import ConfigError, TrainConfig
+from training.position.progress import Progress, rescaled
+from training.recipe.context import RunContext
+from training.recipe.hooks import Hooks
+from training.recipe.loader import Recipe, load_recipe, open_dataset
+from training.start import carry_over
+from training.start.identity import check_same_run, run_identity
+from training.start.warm_start import load_start, load_weights
+from training.unit import rng
+from training.unit.state import SMALL, TrainState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the processes that train one unit together."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def rng_file(self) -> str:
+        return rng_file(self.rank)
+
+
+SINGLE_PROCESS = World()
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a unit's state came from: ``kind`` is what code decides on, ``text`` what people read."""
+
+    kind: str  # "store" (downloaded), "memory" (this process's warm state), "load_path", "fresh"
+    checkpoint: str | None = None
+    text: str = "fresh initialization"
+
+
+@dataclass
+class Session:
+    """Live objects of a run."""
+
+    recipe: Recipe
+    dataset: Any
+    model: torch.nn.Module  # the module itself (its state_dict is what is saved)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    progress: Progress
+    device: torch.device
+    world: World = field(default_factory=World)
+    forward_model: torch.nn.Module | None = None  # DDP wrapper when world.size > 1
+    ctx: RunContext | None = None  # what the recipe sees as recipe.ctx; the loop fills its step fields
+    scaler: Any = None  # fp16's GradScaler
+    rng_state: dict[str, Any] | None = None
+    data_skip_applied: dict[str, Any] | None = None  # the data-skip options already applied to this run
+    hooks: Hooks = field(default_factory=Hooks)
+
+    @property
+    def state(self) -> TrainState:
+        """The stateful parts, one bundle: what ``save`` writes is what ``restore`` reads."""
+        return TrainState(self.model, self.optimizer, self.scheduler, self.scaler, self.hooks)
+
+
+def store_retry(config: TrainConfig) -> RetrySettings:
+    """The run's object-store retry policy (every store call of the run, release.json included)."""
+    return RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
+
+
+def retention(config: TrainConfig) -> Retention:
+    return Retention(config.num_checkpoints_to_keep, config.checkpoint_score_attribute, config.checkpoint_score_order)
+
+
+def open_store(config: TrainConfig) -> CheckpointStore:
+    return CheckpointStore(
+        config.save_folder, config.run_name, storage_options=config.storage_options, retry=store_retry(config)
+    )
+
+
+def pick_device(config: TrainConfig, world: World = SINGLE_PROCESS) -> torch.device:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda': no CUDA device is visible; use device='auto' or 'cpu'")
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+# -- restore --------------------------------------------------------------------------------------
+def restore(config: TrainConfig, store: CheckpointStore, world: World = SINGLE_PROCESS) -> tuple[Session, Origin]:
+    """Builds the recipe's objects and loads the run's newest good checkpoint, load_path, or nothing."""
+    device = pick_device(config, world)
+    ctx = RunContext.of(config, rank=world.rank, world_size=world.size, local_rank=world.local_rank, device=device)
+    recipe = load_recipe(config, ctx)
+    hooks = Hooks.of(recipe)
+    dataset = open_dataset(recipe)
+    rng.seed_all(config.seed)
+    if config.parallelism == "fsdp":
+        return _restore_sharded(config, store, world, recipe, dataset, ctx)
+    model = recipe.build_model().to(device)
+    optimizer = recipe.build_optimizer(model)
+    scheduler = hooks.build_scheduler(optimizer) if hooks.build_scheduler else None
+    progress = Progress(global_batch_size=config.global_batch_size)
+    session = Session(recipe, dataset, model, optimizer, scheduler, progress, device, world, ctx=ctx, hooks=hooks)
+    session.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+    origin = _load_into(config, store, session)
+    if world.size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        session.forward_model = DistributedDataParallel(model, device_ids=ids)
+    ctx.model, ctx.optimizer, ctx.scaler = session.forward_model or model, optimizer, session.scaler
+    return session, origin
+
+
+def _restore_sharded(config: TrainConfig, store: CheckpointStore, world: World, recipe: Any, dataset: Any,
+                     ctx: RunContext) -> tuple[Session, Origin]:  # fmt: skip
+    """parallelism='fsdp': the model is sharded with FSDP2 before its optimizer is built, and checkpoints
+    are DCP shards that every rank reads (only what its shards need) and writes in parallel."""
+    from training.unit import fsdp
+
+    hooks = Hooks.of(recipe)
+    model = recipe.build_model()
+    origin = Origin("fresh")
+    if store.latest() is None and config.load_path:  # weights go into the whole model, before it is sharded
+        weights_from = load_weights(config, model)
+        if weights_from is None:
+            raise ConfigError(
+                f"load_path={config.load_path!r}: with parallelism='fsdp' a new run takes weights only; set "
+                f"load_weights_only=True"
+            )
+        origin = Origin("load_path", None, weights_from)
+    fsdp.shard_model(model, ctx.device)
+    optimizer = recipe.build_optimizer(model)
+    scheduler = hooks.build_scheduler(optimizer) if hooks.build_scheduler else None
+    progress = Progress(global_batch_size=config.global_batch_size)
+    session = Session(recipe, dataset, model, optimizer, scheduler, progress, ctx.device, world, ctx=ctx, hooks=hooks)
+    session.scaler = _sharded_scaler() if config.precision == "fp16" else None
+    ctx.model, ctx.optimizer, ctx.scaler = model, optimizer, session.scaler
+    found = fsdp.restore_latest(store, model, optimizer)
+    if found is None:
+        rng.seed_all(config.seed + world.rank)  # same initial weights everywhere, own RNG streams after
+        session.data_skip_applied = requested_data_skip(config)
+        return session, origin
+    info, extra = found
+    check_same_run(config, info)
+    session.state.load_state_dict(extra.common, SMALL)
+    session.progress = Progress.from_dict(info.progress)
+    session.data_skip_applied = info.manifest.metadata.get("data_skip_applied")
+    _restore_rng(session, extra.rank, info)
+    reposition(config, session)
+    if world.rank == 0:
+        logger.info("resharded %s (saved by %s process(es)) onto %d; this rank read %d file(s)", info.name,
+                    info.manifest.metadata.get("world_size"), world.size, len(extra.files_read))  # fmt: skip
+    return session, Origin("store", info.name, f"checkpoint {info.name}")
+
+
+def _sharded_scaler() -> Any:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler()  # agrees on inf/nan across ranks: each holds only its shards' gradients
+
+
+def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) -> Origin:
+    files = [STATE_FILE, session.world.rng_file]
+    _refuse_sharded(store)
+    loaded = store.load_latest(files)
+    if loaded is not None:
+        check_same_run(config, loaded.info)
+        fix = (f"the recipe builds another model or optimizer than the one that wrote it; to train this one, start a "
+               f"new run from its weights: load_path={loaded.info.uri!r} load_weights_only=true load_strict=false")  # fmt: skip
+        _apply(session, loaded, fix)
+        reposition(config, session)
+        return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
+    if config.load_path:
+        return _start_from_load_path(config, session, files)
+    if session.world.size > 1:
+        rng.seed_all(config.seed + session.world.rank)  # same initial weights everywhere, own RNG streams after
+    session.data_skip_applied = requested_data_skip(config)  # nothing to skip at the start of a run
+    return Origin("fresh")
+
+
+def _start_from_load_path(config: TrainConfig, session: Session, files: list[str]) -> Origin:
+    """A new run from ``load_path``: weights only, or (load_weights_only=false) a full checkpoint, ours or a peer's,
+    whose state and progress are carried under this run's hyper-parameters and LR schedule (training/start/carry_over.py)."""
+    this_run = carry_over.ThisRun.of(session.optimizer, session.scheduler)  # as the recipe built them, before any load
+    start = load_start(config, session.model, session.optimizer)  # weights loaded; None: our folder's full state
+    if start is not None and start.weights_only:
+        session.data_skip_applied = requested_data_skip(config)  # a new run: nothing to skip
+        return Origin("load_path", None, start.origin)
+    if start is None:
+        loaded = open_checkpoint_uri(str(config.load_path), storage_options=config.storage_options, files=files)
+        fix = "check recipe and recipe_args, or take the weights that fit: load_weights_only=true load_strict=false"
+        _apply(session, loaded, fix, what=f"load_path={config.load_path!r} ({loaded.info.name})")
+        text, carried_optimizer = f"state of {loaded.info.uri} (load_path)", True
+    else:
+        session.state.load_state_dict(start.state, list(start.state))  # checked to fit by load_start
+        if start.progress:
+            session.progress, note = carry_over.peer_progress(start.progress, len(session.dataset))
+            if note:
+                logger.info("load_path: progress: %s", note)
+        text, carried_optimizer = start.origin, "optimizer" in start.state
+    changes = this_run.restore(session.optimizer, session.scheduler)
+    if carried_optimizer:
+        carry_over.log_hyperparameters(changes)
+    carried = start is None or bool(start.progress)
+    session.data_skip_applied = None if carried else requested_data_skip(config)  # another run's record: none yet
+    reposition(config, session)
+    if session.scheduler is not None:
+        exact = carry_over.continue_schedule(session.scheduler, session.progress.step)
+        logger.info("load_path: the recipe's %s continues at step %d (learning rate %s)%s",
+                    type(session.scheduler).__name__, session.progress.step,
+                    ", ".join(f"{g['lr']:.6g}" for g in session.optimizer.param_groups),
+                    "" if exact else ": it has no closed form, so only its counter was moved")  # fmt: skip
+    return Origin("load_path", None, text)
+
+
+def _apply(session: Session, loaded: LoadedCheckpoint, fix: str, what: str = "") -> None:
+    """Loads a ``state.pt`` checkpoint into the session: every part of the bundle, progress, data-skip record, RNG.
+    Model and optimizer state must fit whole: else one ConfigError naming the first keys that differ, and ``fix``."""
+    state = loaded.objects[STATE_FILE]["state"]
+    what = what or f"checkpoint {loaded.info.uri}"
+    carry_over.load_model_state(session.model, state["model"], what, fix)
+    if state.get("optimizer") is not None:
+        names = carry_over.optimizer_param_names(session.model, session.optimizer)
+        carry_over.check_optimizer_fits(session.optimizer, state["optimizer"], names, what, fix)
+    session.state.load_state_dict(state, [p for p in state if p != "model"])
+    session.progress = Progress.from_dict(loaded.info.progress)
+    session.data_skip_applied = loaded.info.manifest.metadata.get("data_skip_applied")
+    _restore_rng(session, loaded.objects.get(rng_file(session.world.rank)), loaded.info)
+
+
+def _restore_rng(session: Session, state: dict[str, Any] | None, info: Any) -> None:
+    if state is not None:
+        rng.restore(state)
+        return
+    rank = session.world.rank  # the world grew: this rank has no saved stream; derive one from the position
+    rng.seed_all(info.progress.get("samples_seen", 0) * 1000 + rank)
+    logger.info("rank %d: %s has no RNG state for this rank (saved with world size %s); seeded a new stream",
+                rank, info.name, info.manifest.metadata.get("world_size"))  # fmt: skip
+
+
+def _refuse_sharded(store: CheckpointStore) -> None:
+    from checkpointing import sharded
+
+    latest = store.latest()
+    if latest is not None and sharded.is_sharded(latest):
+        raise ConfigError(
+            f"checkpoint {latest.name} is sharded (written with parallelism='fsdp'); resume it with "
+            f"parallelism='fsdp' at any number of processes, or export it: python -m checkpointing export {latest.uri}"
+        )
+
+
+def requested_data_skip(config: TrainConfig) -> dict[str, Any] | None:
+    if not config.ignore_data_skip and config.data_skip_steps is None:
+        return None
+    return {"ignore_data_skip": config.ignore_data_skip, "data_skip_steps": config.data_skip_steps}
+
+
+def reposition(config: TrainConfig, session: Session) -> None:
+    """Carries the data position over to this run's global batch size, and applies the data-skip options
+    once per run: the checkpoint records that they were applied, so a restart does not skip again."""
+    p, new = session.progress, config.global_batch_size
+    epoch_size = len(session.dataset)
+    if p.global_batch_size and p.global_batch_size != new:
+        old_step, old_size = p.step, p.global_batch_size
+        session.progress = p = rescaled(p, new)
+        if not carry_over.continue_schedule(session.scheduler, p.step):
+            logger.warning(
+                "%s has no closed form: its step counter now reads %d, but its learning rate continues from where "
+                "it was",
+                type(session.scheduler).__name__,
+                p.step,
+            )
+        logger.info(
+            "global_batch_size changed %d -> %d: %d samples already trained; epoch %d resumes at sample "
+            "%d of %d (nothing repeated or dropped); the step counter, LR schedule and '<n>ba' durations "
+            "continue at step %d = %d // %d (was step %d)",
+            old_size, new, p.samples_seen, p.epoch, p.sample_in_epoch, epoch_size, p.step, p.samples_seen, new,
+            old_step,
+        )  # fmt: skip
+    p.global_batch_size = new
+    requested = requested_data_skip(config)
+    if requested is None or requested == session.data_skip_applied:
+        session.data_skip_applied = requested
+        return
+    session.data_skip_applied = requested
+    if config.ignore_data_skip:
+        logger.info("ignore_data_skip: epoch %d restarts from its first sample (was at sample %d); applied once "
+                    "(recorded in the checkpoint)", p.epoch, p.sample_in_epoch)  # fmt: skip
+        p.sample_in_epoch = 0
+    elif config.data_skip_steps is not None:
+        target = min(config.data_skip_steps * new, epoch_size)
+        logger.info(
+            "data_skip_steps=%d: epoch %d resumes at sample %d (= %d batches of %d; was sample %d); applied once "
+            "(recorded in the checkpoint)",
+            config.data_skip_steps, p.epoch, target, config.data_skip_steps, new, p.sample_in_epoch,
+        )  # fmt: skip
+        p.sample_in_epoch = target
+
+
+# -- save -----------------------------------------------------------------------------------------
+def save(
+    config: TrainConfig,
+    store: CheckpointStore,
+    s: Session,
+    committer: Committer,
+    metrics: dict[str, float],
+    generation: int,
+    rng_states: list[dict[str, Any]] | None = None,
+) -> PendingCommit:
+    """Commits the session: streamed into the store now, or, with async upload, serialized (the only stall)
+    and uploaded in the background while the next unit trains.
+
+    ``rng_states`` holds every rank's RNG state (gathered by rank 0) when several processes train."""
+    s.rng_state = rng.capture()
+    t0 = time.perf_counter()
+    objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
+    objects.update({rng_file(r): st for r, st in enumerate(rng_states or [s.rng_state])})
+    request = commits.request(
+        store,
+        s.progress.as_dict(),
+        objects,
+        metadata=checkpoint_metadata(config, s, metrics),
+        writer=Writer.current(generation),
+        retention=retention(config),
+        background=use_async_upload(config, store) and s.world.size == 1,
+        network_weights=config.save_network_weights,
+    )
+    pending = committer.send(request)
+    metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
+    return pending
+
+
+def save_sharded(
+    config: TrainConfig, store: CheckpointStore, s: Session, metrics: dict[str, float], generation: int
+) -> PendingCommit:
+    """parallelism='fsdp': every rank writes its shards and its RNG state; rank 0 commits after all
+    reported (manifest, then ``latest``), then applies retention."""
+    from training.unit import fsdp
+
+    t0 = time.perf_counter()
+    pending = fsdp.save_sharded(
+        store,
+        s.model,
+        s.optimizer,
+        {**s.state.state_dict(SMALL), "progress": s.progress.as_dict()},
+        rank_extra=rng.capture(),
+        progress=s.progress.as_dict(),
+        metadata=checkpoint_metadata(config, s, metrics),
+        writer=Writer.current(generation),
+        retention=retention(config),
+    )
+    metrics["checkpoint_seconds"] = time.perf_counter() - t0
+    return pending
+
+
+def checkpoint_metadata(config: TrainConfig, s: Session | None, metrics: dict[str, float]) -> dict[str, Any]:
+    """What a checkpoint's manifest says of the run (``check_same_run`` reads it) besides the progress."""
+    return {
+        "config": run_identity(config),
+        "config_fingerprint": config.fingerprint(),
+        "recipe": run_identity(config)["recipe"],
+        "global_batch_size": config.global_batch_size,
+        "world_size": s.world.size if s is not None else 1,
+        "seed": config.seed,
+        "data_skip_applied": s.data_skip_applied if s is not None else None,
+        "metrics": {k: float(v) for k, v in metrics.items()},
+    }
+
+
+def use_async_upload(config: TrainConfig, store: CheckpointStore) -> bool:
+    """Async upload overlaps the next unit's training; it needs the next unit in this same process."""
+    if config.async_upload is not None:
+        return config.async_upload
+    return not (store.storage.is_local or store.storage.protocol == "memory")
