@@ -69,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.outcome", description=__doc__.splitlines()[0])
     parser.add_argument("flow_run_id", type=UUID, help="the id `prefect deployment run` printed")
     parser.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (exit 3)")
-    parser.add_argument("--crashed-for", type=float, default=CRASHED_FOR_SECONDS,
-                        help="a Crashed state that lasts this long is the outcome (no restart came)")  # fmt: skip
+    parser.add_argument(
+        "--crashed-for",
+        type=float,
+        default=CRASHED_FOR_SECONDS,
+        help="a Crashed state that lasts this long is the outcome (no restart came)",
+    )
     args = parser.parse_args(argv)
     try:
         state = wait_for_outcome(args.flow_run_id, timeout=args.timeout, crashed_for=args.crashed_for)

@@ -73,8 +73,10 @@ def bindir() -> Path:
         if all(os.access(folder / name, os.X_OK) for name in BINARIES):
             return folder
     where = f"STACK_POSTGRES_BIN={configured}" if configured else "PATH, pg_config or " + ", ".join(BIN_GLOBS)
-    raise PostgresError(f"PostgreSQL's {' and '.join(BINARIES)} not found in {where}: install PostgreSQL "
-                        f"(Debian: apt-get install postgresql) or set STACK_POSTGRES_BIN to its bin folder")  # fmt: skip
+    raise PostgresError(
+        f"PostgreSQL's {' and '.join(BINARIES)} not found in {where}: install PostgreSQL "
+        f"(Debian: apt-get install postgresql) or set STACK_POSTGRES_BIN to its bin folder"
+    )
 
 
 def _major(folder: Path) -> int:
@@ -90,8 +92,10 @@ def os_user() -> pwd.struct_passwd | None:
     for name in [configured] if configured else ["postgres", "nobody"]:
         with contextlib.suppress(KeyError):
             return pwd.getpwnam(name)
-    raise PostgresError(f"PostgreSQL refuses to run as root and there is no user {configured or 'postgres or nobody'}"
-                        " to run it as: create one (useradd --system postgres) or set STACK_POSTGRES_OS_USER")  # fmt: skip
+    raise PostgresError(
+        f"PostgreSQL refuses to run as root and there is no user {configured or 'postgres or nobody'}"
+        " to run it as: create one (useradd --system postgres) or set STACK_POSTGRES_OS_USER"
+    )
 
 
 def reachable(path: Path, user: pwd.struct_passwd) -> bool:
@@ -217,10 +221,24 @@ class LocalPostgres:
     def _run_initdb(self, pwfile: Path, user: pwd.struct_passwd | None) -> None:
         assert self.home is not None
         proc = subprocess.run(
-            [str(bindir() / "initdb"), "-D", str(self.home / "data"), "-U", SUPERUSER, f"--pwfile={pwfile}",
-             "--auth=scram-sha-256", "--no-locale", "--encoding=UTF8", "--no-sync", "--no-instructions"],
-            capture_output=True, text=True, timeout=300, **_as_user(user),
-        )  # fmt: skip
+            [
+                str(bindir() / "initdb"),
+                "-D",
+                str(self.home / "data"),
+                "-U",
+                SUPERUSER,
+                f"--pwfile={pwfile}",
+                "--auth=scram-sha-256",
+                "--no-locale",
+                "--encoding=UTF8",
+                "--no-sync",
+                "--no-instructions",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            **_as_user(user),
+        )
         if proc.returncode != 0:
             raise PostgresError(f"initdb in {self.home / 'data'} exited {proc.returncode}:\n{proc.stderr}")
 
@@ -229,8 +247,17 @@ class LocalPostgres:
         is appended to as a file of this user's, never through a link."""
         self.init()
         assert self.home is not None
-        command = [str(bindir() / "postgres"), "-D", str(self.home / "data"), "-p", str(self.port),
-                   "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories="]  # fmt: skip
+        command = [
+            str(bindir() / "postgres"),
+            "-D",
+            str(self.home / "data"),
+            "-p",
+            str(self.port),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "unix_socket_directories=",
+        ]
         for setting in () if self.durable else NOT_DURABLE:
             command += ["-c", setting]
         try:
@@ -268,9 +295,13 @@ class LocalPostgres:
 
         try:
             conn = await asyncpg.connect(
-                host="127.0.0.1", port=self.port, user=SUPERUSER, password=self.password(), database="postgres",
+                host="127.0.0.1",
+                port=self.port,
+                user=SUPERUSER,
+                password=self.password(),
+                database="postgres",
                 timeout=5,
-            )  # fmt: skip
+            )
         except asyncpg.CannotConnectNowError as starting:  # "the database system is starting up"
             raise _NotYet() from starting
         try:

@@ -347,8 +347,10 @@ def _database(args: argparse.Namespace, procs: list[tuple[str, subprocess.Popen]
     configured = os.environ.get(CONNECTION_URL)
     if configured:
         if args.database == "postgres":
-            raise SystemExit(f"error: --database postgres starts a server of the stack's own, but {CONNECTION_URL} "
-                             f"names one ({postgres.redact(configured)}): unset one of them")  # fmt: skip
+            raise SystemExit(
+                f"error: --database postgres starts a server of the stack's own, but {CONNECTION_URL} "
+                f"names one ({postgres.redact(configured)}): unset one of them"
+            )
         return configured
     if args.database == "sqlite":
         return None

@@ -157,12 +157,16 @@ class AttemptAlive:
 
     def __enter__(self) -> AttemptAlive:
         if is_deployment_run() and flow_run.id:
-            resource = {"prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
-                        "prefect.run-count": str(flow_run_attempt())}  # fmt: skip
-            related = [{"prefect.resource.id": f"prefect.deployment.{deployment.id}",
-                        "prefect.resource.role": "deployment"}]  # fmt: skip
-            self._thread = threading.Thread(target=self._beat, args=(resource, related), daemon=True,
-                                            name="attempt-alive")  # fmt: skip
+            resource = {
+                "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                "prefect.run-count": str(flow_run_attempt()),
+            }
+            related = [
+                {"prefect.resource.id": f"prefect.deployment.{deployment.id}", "prefect.resource.role": "deployment"}
+            ]
+            self._thread = threading.Thread(
+                target=self._beat, args=(resource, related), daemon=True, name="attempt-alive"
+            )
             self._thread.start()
         return self
 

@@ -49,8 +49,10 @@ def started_line(started_from: str) -> str:
     attempt = flow_run_attempt()
     if attempt <= 1:
         return f"this flow run started from: {md_escape(started_from)}"
-    return (f"this attempt (flow-run attempt {attempt}) started from: {md_escape(started_from)}; the flow run's earlier "
-            "attempts are in the per-unit table (its attempt column)")  # fmt: skip
+    return (
+        f"this attempt (flow-run attempt {attempt}) started from: {md_escape(started_from)}; the flow run's earlier "
+        "attempts are in the per-unit table (its attempt column)"
+    )
 
 
 def summary_markdown(

@@ -57,11 +57,13 @@ class TemporaryServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.ready = False
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1"}  # fmt: skip
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        print(f"starting a temporary Prefect server on {self.url} (a running one is faster: make server)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"starting a temporary Prefect server on {self.url} (a running one is faster: make server)",
+            file=sys.stderr,
+            flush=True,
+        )
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flows.server", str(self.port)],
@@ -81,19 +83,31 @@ class TemporaryServer:
             now = time.monotonic()
             if self.proc.poll() is not None or now - self.started > patience:
                 self.stop()
-                what = (f"exited with code {self.proc.returncode}" if self.proc.returncode is not None
-                        else f"did not answer within {patience:.0f} s")  # fmt: skip
-                raise RuntimeError(f"the temporary Prefect server {what}; set PREFECT_API_URL to a running server "
-                                   f"or start one with `make server`")  # fmt: skip
+                what = (
+                    f"exited with code {self.proc.returncode}"
+                    if self.proc.returncode is not None
+                    else f"did not answer within {patience:.0f} s"
+                )
+                raise RuntimeError(
+                    f"the temporary Prefect server {what}; set PREFECT_API_URL to a running server "
+                    f"or start one with `make server`"
+                )
             if now >= note_at:
                 note_at += NOTE_EVERY
-                print(f"still starting the temporary Prefect server ({now - self.started:.0f} s, load average "
-                      f"{os.getloadavg()[0]:.1f}); waiting while it runs", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"still starting the temporary Prefect server ({now - self.started:.0f} s, load average "
+                    f"{os.getloadavg()[0]:.1f}); waiting while it runs",
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(0.05)
         self.ready = True
         waited = time.monotonic() - t0
-        log.debug("temporary Prefect server answered %.2f s after its start (waited %.2f s)",
-                  time.monotonic() - self.started, waited)  # fmt: skip
+        log.debug(
+            "temporary Prefect server answered %.2f s after its start (waited %.2f s)",
+            time.monotonic() - self.started,
+            waited,
+        )
         return waited
 
     def stop(self) -> None:
@@ -184,8 +198,10 @@ class _NoUiLink(logging.Filter):
         return True
 
 
-NO_UI = ("no Prefect UI for this run (a temporary server, API only); for the UI and run history, start "
-         "`make server` in another terminal first, or set PREFECT_API_URL")  # fmt: skip
+NO_UI = (
+    "no Prefect UI for this run (a temporary server, API only); for the UI and run history, start "
+    "`make server` in another terminal first, or set PREFECT_API_URL"
+)
 
 
 def _api_configured_cheaply() -> bool:

@@ -89,8 +89,13 @@ def _train(config: TrainConfig, run: Run) -> TrainResult:
     try:
         while not run.complete:
             stopped_between_units(run)
-            result = task(config, unit=run.next_unit, start_checkpoint=run.head, generation=run.generation,
-                          on_report=report.unit_done)  # fmt: skip
+            result = task(
+                config,
+                unit=run.next_unit,
+                start_checkpoint=run.head,
+                generation=run.generation,
+                on_report=report.unit_done,
+            )
             run.record(unit_outcome(result))
         metrics = run.final_metrics()
         if metrics is None and run.head is not None:

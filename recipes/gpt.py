@@ -95,8 +95,9 @@ class Block(nn.Module):
 class CharGPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, a final LayerNorm and a head tied to the embedding."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float, bias: bool):  # fmt: skip
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float, bias: bool
+    ):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -215,8 +216,9 @@ class GPTRecipe:
         return Blocks(self._val, self.block_size, self.block_size)
 
     def build_model(self) -> nn.Module:
-        return CharGPT(len(self.vocab), self.block_size, self.n_layer, self.n_head, self.n_embd,
-                       self.dropout, self.bias)  # fmt: skip
+        return CharGPT(
+            len(self.vocab), self.block_size, self.n_layer, self.n_head, self.n_embd, self.dropout, self.bias
+        )
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW, two groups: decay on weights of >= 2 dimensions (matmuls, embeddings), none on the rest."""
@@ -263,8 +265,14 @@ class GPTRecipe:
         return {"loss": loss, "bits_per_char": loss / math.log(2)}
 
     @torch.no_grad()
-    def generate(self, model: nn.Module, prompt: str, num_chars: int, temperature: float = 1.0,
-                 generator: torch.Generator | None = None) -> str:  # fmt: skip
+    def generate(
+        self,
+        model: nn.Module,
+        prompt: str,
+        num_chars: int,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> str:
         """Samples ``num_chars`` characters after ``prompt`` (nanoGPT's ``sample.py``), for people, not training."""
         was_training = model.training
         model.eval()

@@ -65,8 +65,9 @@ class PrefectNodeLauncher:
                         parent_task_run_id=self.parent,
                     )
                 )
-        logger.info("started %d node run(s) of %s: %s", len(offers), self.deployment,
-                    ", ".join(run.name for run in self.runs))  # fmt: skip
+        logger.info(
+            "started %d node run(s) of %s: %s", len(offers), self.deployment, ", ".join(run.name for run in self.runs)
+        )
 
     def problem(self) -> str | None:
         for run in self._read():
@@ -92,8 +93,11 @@ class PrefectNodeLauncher:
                         cancelled.add(run.id)
                 time.sleep(0.5)
         if going:
-            logger.warning("node run(s) still not ended %.0f s after cancelling them: %s", STOP_TIMEOUT,
-                           ", ".join(f"{run.name} ({run.state.name if run.state else '?'})" for run in going))  # fmt: skip
+            logger.warning(
+                "node run(s) still not ended %.0f s after cancelling them: %s",
+                STOP_TIMEOUT,
+                ", ".join(f"{run.name} ({run.state.name if run.state else '?'})" for run in going),
+            )
         elif cancelled:
             logger.info("cancelled %d node run(s) of the ended gang", len(cancelled))
 

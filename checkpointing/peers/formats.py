@@ -130,8 +130,14 @@ def optimizer_state_for(peer: PeerCheckpoint, param_names: list[str]) -> dict[st
 COMPOSER_SYMLINK = ".symlink"  # Composer's latest pointer in object stores
 
 # torch.optim.SGD's group keys besides lr and momentum, as nn.Momentum behaves by default (use_nesterov=False)
-_SGD_DEFAULTS = {"dampening": 0, "nesterov": False, "maximize": False, "foreach": None, "differentiable": False,
-                 "fused": None}  # fmt: skip
+_SGD_DEFAULTS = {
+    "dampening": 0,
+    "nesterov": False,
+    "maximize": False,
+    "foreach": None,
+    "differentiable": False,
+    "fused": None,
+}
 
 
 # -- peers -----------------------------------------------------------------------------------------
@@ -144,19 +150,27 @@ def _composer(weights: Weights, obj: Mapping[str, Any], state: Mapping[str, Any]
     _take_scheduler(peer, _single(state.get("schedulers")), "['state']['schedulers']")
     timestamp = _single(state.get("timestamp"))
     if isinstance(timestamp, Mapping):
-        progress = {"epoch": timestamp.get("epoch"), "step": timestamp.get("batch"),
-                    "samples_seen": timestamp.get("sample"), "sample_in_epoch": timestamp.get("sample_in_epoch"),
-                    "batch_in_epoch": timestamp.get("batch_in_epoch")}  # fmt: skip
+        progress = {
+            "epoch": timestamp.get("epoch"),
+            "step": timestamp.get("batch"),
+            "samples_seen": timestamp.get("sample"),
+            "sample_in_epoch": timestamp.get("sample_in_epoch"),
+            "batch_in_epoch": timestamp.get("batch_in_epoch"),
+        }
         per_rank, world = metadata.get("train_dataloader_batch_size"), metadata.get("world_size")
         if isinstance(per_rank, int) and isinstance(world, int):
             progress["global_batch_size"] = per_rank * world
         _take_progress(peer, progress, "['state']['timestamp']")
     peer.extras = {k: state[k] for k in ("run_name", "rank_zero_seed") if k in state}
     _leave(peer, obj.get("rng"), "rng (Composer's per-rank Python/NumPy/torch RNG states; this product seeds its own)")
-    for key, why in (("callbacks", "Composer callbacks' state"), ("algorithms", "Composer algorithms' state"),
-                     ("scaler", "the AMP grad scaler; this product makes its own for precision=fp16"),
-                     ("train_metrics", "torchmetrics state"), ("eval_metrics", "torchmetrics state"),
-                     ("dataset_state", "Composer's dataset state")):  # fmt: skip
+    for key, why in (
+        ("callbacks", "Composer callbacks' state"),
+        ("algorithms", "Composer algorithms' state"),
+        ("scaler", "the AMP grad scaler; this product makes its own for precision=fp16"),
+        ("train_metrics", "torchmetrics state"),
+        ("eval_metrics", "torchmetrics state"),
+        ("dataset_state", "Composer's dataset state"),
+    ):
         _leave(peer, state.get(key), f"{key} ({why})")
     return peer
 

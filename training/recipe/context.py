@@ -48,8 +48,15 @@ class RunContext:
     last_grad_norm: float | None = None  # the gradient norm before clipping, of the last step()
 
     @classmethod
-    def of(cls, config: TrainConfig, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-           device: torch.device | None = None) -> RunContext:  # fmt: skip
+    def of(
+        cls,
+        config: TrainConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        device: torch.device | None = None,
+    ) -> RunContext:
         return cls(
             run_name=config.run_name,
             global_batch_size=config.global_batch_size,
