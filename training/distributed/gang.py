@@ -44,6 +44,7 @@ from typing import Any
 from checkpointing.io import confine
 from training import preemption
 from training.config import ConfigError, TrainConfig
+from training.config.machines import node_secret
 from training.distributed import nodes
 from training.distributed.errors import error_from_record
 from training.distributed.processes import die_with_parent, kill_group
@@ -85,7 +86,7 @@ class Gang:
 
     # -- start ------------------------------------------------------------------------------------
     def _launch(self) -> subprocess.Popen:
-        secret = nodes.node_secret() if self.config.nnodes > 1 else ""  # before anything is started
+        secret = node_secret() if self.config.nnodes > 1 else ""  # before anything is started
         folder = Path(self._folder.name)
         config_file = folder / "config.json"
         config_file.write_text(self.config.model_dump_json())  # storage_options excluded: passed by environment

@@ -29,9 +29,10 @@ from pathlib import Path
 from checkpointing.io import confine
 from training.config import TrainConfig
 from training.config.limits import check_limits
+from training.config.machines import node_address
 from training.config.trust import check_locations, local_root_forms
 from training.distributed.gang import FOLDER_ENV
-from training.distributed.nodes import NodeOffer, node_address, node_environment, torchrun_command
+from training.distributed.nodes import NodeOffer, node_environment, torchrun_command
 from training.distributed.processes import die_with_parent, kill_group
 from training.recipe.loader import ALLOWED_ENV, resolve_recipe
 

@@ -8,9 +8,9 @@ flow runs of the rank-node deployment (flows/node.py; the Prefect side is tasks/
 and a rendezvous store runs code in every node that joins it (torch unpickles what its peers send). So a node
 joins only a rendezvous that the product chose: node 0 signs each node's offer (endpoint, rendezvous id, nnodes,
 node rank, processes per node, run, generation, the config's digest, expiry) with HMAC-SHA256 under a secret
-that only the workers hold (``TRAIN_NODE_SECRET``, the same on every worker of the pool), and a node verifies it
-before it does anything else. The secret never leaves the environment of the processes that sign and verify:
-not in a parameter, a log, an artifact, nor the environment of the rank processes.
+that only the workers hold (``TRAIN_NODE_SECRET``, the same on every worker of the pool: training/config/machines.py),
+and a node verifies it before it does anything else. The secret never leaves the environment of the processes that
+sign and verify: not in a parameter, a log, an artifact, nor the environment of the rank processes.
 
 torchrun's rendezvous is its ``static`` backend on node 0's TCPStore: it honours ``--node-rank``, so global rank 0
 is always on node 0 and connects back to the unit's process over loopback (training/distributed/gang.py). The ``c10d``
@@ -20,12 +20,9 @@ rendezvous state is unpickled by every node that joins.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import ipaddress
 import json
-import os
 import re
 import secrets
 import socket
@@ -39,10 +36,8 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from training.config import ConfigError, TrainConfig
+from training.config.machines import MIN_SECRET, SECRET_ENV, node_address  # what every worker of the pool sets
 
-SECRET_ENV = "TRAIN_NODE_SECRET"
-ADDRESS_ENV = "TRAIN_NODE_ADDRESS"
-MIN_SECRET = 32  # characters: an offer is public (a flow-run parameter), so a short secret could be guessed offline
 OFFER_TTL = (
     300  # seconds a node run has to start and join; node 0 waits as long (training/distributed/gang.py START_TIMEOUT)
 )
@@ -50,7 +45,6 @@ MAX_OFFER = 4096  # bytes of a node offer's JSON
 MAX_CONFIG = 1 << 20  # bytes of the config parameter's JSON
 _DOMAIN = b"resumable-train node offer v1\n"
 _RDZV_ID = re.compile(r"^[a-z0-9-]{1,64}$")
-_HOST = re.compile(r"^[A-Za-z0-9.:-]{1,253}$")
 _SIOCGIFADDR = 0x8915
 
 
@@ -70,54 +64,6 @@ class NodeLauncher(Protocol):
     def stop(self, grace: float = 0.0) -> None:
         """Waits up to ``grace`` seconds for the nodes to end by themselves, stops every node still running, and
         waits (bounded) until they are gone."""
-
-
-# -- what every worker of the pool sets ------------------------------------------------------------------------
-def node_secret() -> str:
-    """The pool's shared secret, from this worker's environment; ConfigError when it is missing or short."""
-    secret = os.environ.get(SECRET_ENV, "")
-    if len(secret) < MIN_SECRET:
-        state = "is not set" if not secret else f"has {len(secret)} characters"
-        raise ConfigError(
-            f"nnodes > 1 needs {SECRET_ENV} in the worker's environment (the same on every worker of the pool, at "
-            f"least {MIN_SECRET} characters; it {state}): nodes join only a rendezvous signed with it. Generate one "
-            f"with: python -c 'import secrets; print(secrets.token_hex(32))'"
-        )
-    return secret
-
-
-def node_address() -> str:
-    """This machine's address as the other nodes reach it: ``TRAIN_NODE_ADDRESS``, else the source address of
-    the default route; never loopback."""
-    configured = os.environ.get(ADDRESS_ENV, "").strip()
-    address = configured or _default_route_address()
-    if not _HOST.match(address):
-        raise ConfigError(f"{ADDRESS_ENV}={address!r}: use an IP address or a host name the other nodes resolve")
-    try:
-        ip = ipaddress.ip_address(socket.gethostbyname(address))
-    except OSError as exc:
-        raise ConfigError(f"{ADDRESS_ENV}={address!r} does not resolve here ({exc})") from None
-    if ip.is_loopback or ip.is_unspecified:
-        where = f"{ADDRESS_ENV}={address!r} is" if configured else f"this machine's detected address is {address}:"
-        raise ConfigError(
-            f"{where} not reachable from other machines; set {ADDRESS_ENV} in the worker's environment to the "
-            f"address other nodes reach this one at (on Kubernetes: the pod IP, status.podIP)"
-        )
-    return address
-
-
-def check_multinode(config: TrainConfig) -> None:
-    """Start-up check of a run with ``nnodes > 1``: the secret and this node's address are there."""
-    if config.nnodes > 1:
-        node_secret()
-        node_address()
-
-
-def _default_route_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe, contextlib.suppress(OSError):
-        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent; the kernel picks the source address
-        return str(probe.getsockname()[0])
-    return socket.gethostbyname(socket.gethostname())
 
 
 # -- the rendezvous node 0 chooses ---------------------------------------------------------------------------

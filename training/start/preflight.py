@@ -16,7 +16,7 @@ import torch
 
 from checkpointing.io.hashing import sha256_hex
 from training.config import ConfigError, TrainConfig
-from training.distributed.nodes import check_multinode
+from training.config.machines import check_multinode
 from training.recipe.hooks import Hooks
 from training.recipe.loader import describe_recipe, load_recipe, open_dataset, uses_own_loop
 
