@@ -4,19 +4,19 @@ No Prefect import here: this layer is plain fsspec + tenacity + torch, and torch
 checkpoint is serialized or loaded, so `python -m checkpointing ls|verify` start without it (~1.4 s less).
 """
 
-from checkpointing.io.storage import AccessDeniedError, PermanentStorageError, RetrySettings, StorageError
-from checkpointing.manifest import Manifest, Writer
-from checkpointing.store import (
+from checkpointing.errors import (
+    AccessDeniedError,
     CheckpointError,
-    CheckpointInfo,
-    CheckpointStore,
     CorruptCheckpointError,
     FencedError,
-    LoadedCheckpoint,
     NotACheckpointError,
+    PermanentStorageError,
+    StorageError,
     UnsafeCheckpointError,
-    validate_name,
 )
+from checkpointing.io.storage import RetrySettings
+from checkpointing.manifest import Manifest, Writer
+from checkpointing.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint, validate_name
 from checkpointing.uris import open_checkpoint_uri
 
 __all__ = [

@@ -20,17 +20,10 @@ import argparse
 import json
 import sys
 
+from checkpointing.errors import CheckpointError, StorageError
 from checkpointing.io.protocols import check_store_url
-from checkpointing.io.storage import StorageError
 from checkpointing.io.untrusted import printable
-from checkpointing.store import (
-    CHECKPOINTS,
-    POINTER,
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointStore,
-    validate_name,
-)
+from checkpointing.store import CHECKPOINTS, POINTER, CheckpointInfo, CheckpointStore, validate_name
 from checkpointing.uris import split_run_uri
 
 

@@ -23,8 +23,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 from checkpointing.io.untrusted import printable
-from checkpointing.serialization import CorruptCheckpointError, UnsafeCheckpointError
 
 _ALLOWED_GLOBALS = {
     ("torch", "Size"),

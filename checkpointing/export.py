@@ -26,18 +26,11 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from checkpointing.errors import CorruptCheckpointError, NotACheckpointError, WeightsError
 from checkpointing.io import confine
 from checkpointing.io.protocols import is_local_fs, open_url
 from checkpointing.io.storage import Storage
-from checkpointing.peers.weights import WeightsError
-from checkpointing.store import (
-    STATE_FILE,
-    CheckpointInfo,
-    CheckpointStore,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    validate_name,
-)
+from checkpointing.store import STATE_FILE, CheckpointInfo, CheckpointStore, validate_name
 from checkpointing.uris import split_run_uri
 
 FORMATS = ("torch", "safetensors")

@@ -32,18 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from checkpointing.errors import DamagedFileError, FencedError
 from checkpointing.io.storage import Storage
-from checkpointing.io.untrusted import (
-    MAX_CLAIM_BYTES,
-    MAX_INT,
-    MAX_LABEL,
-    DamagedFileError,
-    as_dict,
-    printable,
-    read_json,
-)
+from checkpointing.io.untrusted import MAX_CLAIM_BYTES, MAX_INT, MAX_LABEL, as_dict, printable, read_json
 from checkpointing.manifest import Writer
-from checkpointing.serialization import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +45,6 @@ LEASE_SECONDS = 5.0  # how often a holder renews its lease
 LEASE_STALE = 3 * LEASE_SECONDS  # a lease not renewed for this long belongs to a holder that is gone
 _CLAIM_NAME = re.compile(r"^[0-9]{1,19}$")
 _MAX_HOST = 255
-
-
-class FencedError(CheckpointError):
-    """A newer writer generation owns this run; this writer must stop."""
 
 
 @dataclass(frozen=True)

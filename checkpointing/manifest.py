@@ -22,12 +22,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from checkpointing.errors import DamagedFileError, ManifestError
 from checkpointing.io.hashing import sha256_hex
 from checkpointing.io.untrusted import (
     MAX_INT,
     MAX_LABEL,
     MAX_MANIFEST_BYTES,
-    DamagedFileError,
     as_dict,
     as_float,
     as_int,
@@ -41,10 +41,6 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FILE = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,127}$")
 _MAX_HOST = 255  # POSIX HOST_NAME_MAX
-
-
-class ManifestError(ValueError):
-    """A manifest is missing, torn, altered or of a format this code cannot read."""
 
 
 def validate_name(value: str, option: str = "run_name") -> str:

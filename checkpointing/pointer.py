@@ -13,8 +13,9 @@ import json
 import re
 from typing import Any
 
+from checkpointing.errors import DamagedFileError
 from checkpointing.io.storage import Storage
-from checkpointing.io.untrusted import MAX_INT, MAX_POINTER_BYTES, DamagedFileError, as_dict, as_int, read_json
+from checkpointing.io.untrusted import MAX_INT, MAX_POINTER_BYTES, as_dict, as_int, read_json
 from checkpointing.manifest import validate_name
 
 POINTER = "latest"

@@ -14,8 +14,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from checkpointing.manifest import FileEntry
-from checkpointing.store import CheckpointError
+from checkpointing.errors import CheckpointError
 
 T = TypeVar("T")
 
@@ -69,11 +68,12 @@ def on_rank0(fn: Callable[[], T]) -> T:
     return result
 
 
-def gather_to_rank0(entries: dict[str, FileEntry]) -> list[dict[str, FileEntry]]:
-    """Every rank's file entries, on rank 0 (others get an empty list). Cannot fail on one rank only."""
+def gather_to_rank0(value: T) -> list[T]:
+    """Every rank's ``value`` (its file entries, its RNG state), on rank 0 (others get an empty list). Cannot fail on
+    one rank only."""
     world = group()
     if world is None:
-        return [entries]
+        return [value]
     everyone: list[Any] | None = [None] * world[1] if world[0] == 0 else None
-    dist.gather_object(entries, everyone, dst=0)
+    dist.gather_object(value, everyone, dst=0)
     return everyone or []

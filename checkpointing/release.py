@@ -18,10 +18,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from checkpointing.io.localfs import UnsafePathError
+from checkpointing.errors import DamagedFileError, ReleaseError, UnsafePathError
 from checkpointing.io.storage import RetrySettings, Storage
-from checkpointing.io.untrusted import DamagedFileError, read_json
-from checkpointing.serialization import CheckpointError
+from checkpointing.io.untrusted import read_json
 from checkpointing.store import CHECKPOINTS, validate_name
 from checkpointing.uris import split_run_uri
 
@@ -29,10 +28,6 @@ RELEASE = "release.json"
 MAX_RELEASE_BYTES = 64 * 1024
 _MAX_METRICS = 256
 _MAX_TEXT = 256
-
-
-class ReleaseError(CheckpointError):
-    """``release.json`` is there but is not a release this code can trust; the message names the problem."""
 
 
 @dataclass(frozen=True)

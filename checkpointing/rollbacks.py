@@ -41,13 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from checkpointing.errors import DamagedFileError
 from checkpointing.io.hashing import sha256_hex
 from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import (
     MAX_INT,
     MAX_LISTED,
     MAX_ROLLBACK_BYTES,
-    DamagedFileError,
     as_dict,
     as_float,
     as_int,

@@ -19,6 +19,8 @@ import pickle
 import struct
 from typing import Any
 
+from checkpointing.errors import CheckpointError as CheckpointError
+from checkpointing.errors import CorruptCheckpointError, UnsafeCheckpointError
 from checkpointing.io.untrusted import printable
 
 ZIP_MAGIC = b"PK\x03\x04"  # what torch.load looks at to choose its zip reader
@@ -31,19 +33,6 @@ _END64_LOCATOR = struct.Struct("<4sLQL")
 _END64 = struct.Struct("<4sQ2H2L4Q")
 _ZIP64_EXTRA = 0x0001
 _U32 = 0xFFFFFFFF
-
-
-class CheckpointError(RuntimeError):
-    """Base class for checkpoint problems."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file holds something that only an unsafe (code-running) unpickler could load, or more
-    than its size can hold."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's files do not match what its manifest vouches for, or do not load."""
 
 
 def serialize(objects: dict[str, Any]) -> dict[str, bytes]:

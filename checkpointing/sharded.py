@@ -42,14 +42,13 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from checkpointing import ranks
 from checkpointing.dcp_metadata import load_metadata
+from checkpointing.errors import CheckpointError, CorruptCheckpointError
 from checkpointing.manifest import FileEntry, Writer
 from checkpointing.serialization import check_unpacked_size
 from checkpointing.store import (
     CHECKPOINTS,
-    CheckpointError,
     CheckpointInfo,
     CheckpointStore,
-    CorruptCheckpointError,
     read_vouched,
     safe_load,
     validate_file_name,

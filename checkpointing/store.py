@@ -30,20 +30,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing import pointer, rollbacks
-from checkpointing.fencing import Fence, FencedError
+from checkpointing.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DamagedFileError,
+    FencedError,
+    ManifestError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
+from checkpointing.fencing import Fence
 from checkpointing.io.hashing import in_background, sha256_hex
 from checkpointing.io.localfs import NOT_A_FILE, TOO_DEEP
 from checkpointing.io.storage import RetrySettings, Storage
-from checkpointing.io.untrusted import (
-    MAX_MANIFEST_BYTES,
-    DamagedFileError,
-    printable,
-)
+from checkpointing.io.untrusted import MAX_MANIFEST_BYTES, printable
 from checkpointing.manifest import (
     MANIFEST,
     FileEntry,
     Manifest,
-    ManifestError,
     Writer,
     describe,
     is_valid_name,
@@ -53,13 +57,7 @@ from checkpointing.manifest import (
 from checkpointing.names import checkpoint_name, may_be_past
 from checkpointing.pointer import POINTER
 from checkpointing.rollbacks import ROLLBACKS, RollBacks
-from checkpointing.serialization import (
-    CheckpointError,
-    CorruptCheckpointError,
-    UnsafeCheckpointError,
-    safe_load,
-    serialize,
-)
+from checkpointing.serialization import safe_load, serialize
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +79,6 @@ __all__ = [
     "validate_file_name",
     "validate_name",
 ]
-
-
-class NotACheckpointError(CheckpointError, ValueError):
-    """A URI given as a checkpoint names no checkpoint or run."""
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from checkpointing.errors import NotACheckpointError
 from checkpointing.manifest import MANIFEST, validate_name
 from checkpointing.pointer import POINTER
-from checkpointing.store import CHECKPOINTS, CheckpointStore, LoadedCheckpoint, NotACheckpointError
+from checkpointing.store import CHECKPOINTS, CheckpointStore, LoadedCheckpoint
 
 
 def split_run_uri(uri: str) -> tuple[str, str, str | None]:

@@ -21,7 +21,8 @@ import os
 import stat
 from collections.abc import Iterator
 
-from checkpointing.io.localfs import LinkedLocationError, LocalFiles
+from checkpointing.errors import LinkedLocationError
+from checkpointing.io.localfs import LocalFiles
 
 ROOTS_ENV = "TRAIN_CONFINED_ROOTS"  # JSON list of absolute local roots, for the processes a confined run starts
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -33,6 +33,7 @@ import stat
 from collections.abc import Iterator
 from typing import IO, Any
 
+from checkpointing.errors import LinkedLocationError, UnsafePathError
 from checkpointing.io.untrusted import printable
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,6 @@ MAX_TREE_DEPTH = 16
 FSYNC_UP_TO = 16 << 20  # untrusted.MAX_MANIFEST_BYTES: every small file the store writes is fsync'ed
 _CHUNK = 16 * 1024 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-
-
-class UnsafePathError(FileNotFoundError):
-    """A path inside the run folder is a symbolic link or not a regular file: damage, never followed.
-    A FileNotFoundError, so that readers treat it as missing and fall back."""
-
-
-class LinkedLocationError(RuntimeError):
-    """A location a run's parameters chose became (or holds) a symbolic link below the worker's allowed root: never
-    followed, and permanent (no retry makes it a real folder again)."""
 
 
 class LocalFiles:

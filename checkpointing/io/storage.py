@@ -25,9 +25,10 @@ from tenacity import (
     stop_after_delay,
 )
 
+from checkpointing.errors import AccessDeniedError, LinkedLocationError, PermanentStorageError, StorageError
 from checkpointing.io import confine
 from checkpointing.io.hashing import BackgroundSha256
-from checkpointing.io.localfs import LinkedLocationError, LocalFiles
+from checkpointing.io.localfs import LocalFiles
 from checkpointing.io.protocols import is_local_fs, protocol_of, with_endpoint_alias
 
 log = logging.getLogger(__name__)
@@ -95,18 +96,6 @@ _NETWORK_ERRORS = {
     "IncompleteReadError",
     "ResponseStreamingError",
 }
-
-
-class StorageError(RuntimeError):
-    """An object-store operation failed for good: retries exhausted (this base class) or a permanent error."""
-
-
-class PermanentStorageError(StorageError):
-    """No retry can cure it (no such bucket, access denied, invalid request): never retried as a unit."""
-
-
-class AccessDeniedError(PermanentStorageError):
-    """The store refused the credentials (403): the message says to check them."""
 
 
 @dataclass(frozen=True)

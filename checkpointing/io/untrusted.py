@@ -20,6 +20,8 @@ import re
 from itertools import accumulate, count
 from typing import TYPE_CHECKING, Any
 
+from checkpointing.errors import DamagedFileError
+
 if TYPE_CHECKING:
     from checkpointing.io.storage import Storage
 
@@ -51,10 +53,6 @@ _ESCAPE = re.compile(rb"\\.", re.DOTALL)
 _STRING = re.compile(rb'"[^"]*"')
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _OPEN_AS_TWO = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")
-
-
-class DamagedFileError(ValueError):
-    """A small file of a store is too big, nested too deep, not JSON, or not of the expected shape."""
 
 
 def read_json(storage: Storage, key: str, max_bytes: int, *, allow_nan: bool = True) -> Any:

@@ -25,10 +25,11 @@ from typing import Any
 
 import fsspec
 
+from checkpointing.errors import WeightsError
 from checkpointing.io import confine
 from checkpointing.io.protocols import is_local_fs, open_url
 from checkpointing.manifest import MANIFEST
-from checkpointing.peers.weights import WEIGHTS_SUFFIXES, WeightsError, read_bounded
+from checkpointing.peers.weights import WEIGHTS_SUFFIXES, read_bounded
 from checkpointing.store import CHECKPOINTS, POINTER
 
 HF_SAFETENSORS, HF_SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"

@@ -28,6 +28,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from checkpointing.errors import WeightsError
 from checkpointing.io import confine
 from checkpointing.io.protocols import is_local_fs, open_url
 from checkpointing.manifest import MANIFEST
@@ -37,7 +38,6 @@ from checkpointing.peers.weights import (
     WEIGHTS_SUFFIXES,
     WRAPPER_PREFIXES,
     Weights,
-    WeightsError,
     decode_weights_file,
     default_max_bytes,
     is_safetensors,

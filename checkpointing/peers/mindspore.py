@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from checkpointing.store import CheckpointError
+from checkpointing.errors import MindSporeFormatError
 
 _TYPES = {
     "Float16": torch.float16,
@@ -45,10 +45,6 @@ _SLOTS = {"moments.": "momentum_buffer", "adam_m.": "exp_avg", "adam_v.": "exp_a
 # Counters and hyper-parameters MindSpore's TrainOneStepCell, optimizers and ModelCheckpoint(append_info) add.
 _BOOKKEEPING = {"global_step", "learning_rate", "momentum", "beta1_power", "beta2_power", "weight_decay", "epoch_num",
                 "step_num", "loss_scale", "scale_sense", "current_iterator_step", "last_overflow_iterator_step"}  # fmt: skip
-
-
-class MindSporeFormatError(CheckpointError, ValueError):
-    """Not a MindSpore checkpoint this reader can decode (message names the problem, never the bytes)."""
 
 
 def looks_like_ckpt(data: bytes) -> bool:

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from checkpointing.serialization import UnsafeCheckpointError, safe_load
+from checkpointing.errors import UnsafeCheckpointError
+from checkpointing.serialization import safe_load
 
 # NumPy's type codes for the dtypes a peer's numbers come in -> (torch dtype, struct format or None)
 _NUMERIC = {

@@ -27,10 +27,10 @@ import safetensors
 import safetensors.torch
 import torch
 
+from checkpointing.errors import UnsafeCheckpointError, WeightsError
 from checkpointing.io import confine
 from checkpointing.io.protocols import is_local_fs, open_url
 from checkpointing.peers.safe_types import load_with_peer_types
-from checkpointing.store import CheckpointError, UnsafeCheckpointError
 
 WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 # Prefixes that wrappers add to every key: DDP ("module."), torch.compile ("_orig_mod."), and the
@@ -39,10 +39,6 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
 _COMPOSER_PATH = "state/model/"
 _USER_KEYS = ("model_state_dict", "model_weights")
 _EXAMPLES = 3
-
-
-class WeightsError(CheckpointError, ValueError):
-    """A weights file that cannot be used as given: missing, not a regular file, unknown layout, mismatch."""
 
 
 @dataclass
