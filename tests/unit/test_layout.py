@@ -1,16 +1,20 @@
 """House rules of the code's shape, checked on the source: no module imports one that imports it back (function-level
-imports included: a circle hidden inside a function is still a circle), ``checkpointing`` and ``training`` never import
-Prefect, and ``make lint`` type-checks every product package."""
+imports included: a circle hidden inside a function is still a circle), every sub-package imports only those below it
+in the import order that docs/architecture.md shows, ``checkpointing`` and ``training`` never import Prefect, and
+``make lint`` type-checks every product package."""
 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
 from tests.conftest import ROOT
 
 PACKAGES = ["checkpointing", "training", "flows", "tasks", "deployments", "recipes"]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ORDER_HEADING = "## The import order"
 
 
 def modules() -> dict[str, Path]:
@@ -90,6 +94,43 @@ def test_no_module_imports_one_that_imports_it_back():
     known = modules()
     graph = {name: imports(path, known) - {name} for name, path in known.items()}
     assert circles(graph) == []
+
+
+def unit_of(module: str) -> str:
+    """The unit of the import order that ``module`` belongs to: a sub-package of ``training`` or ``checkpointing``
+    (``training.unit.loop`` -> ``training.unit``), a top-level module of theirs as itself (``checkpointing.store``),
+    and for the other packages the package (``flows.cli`` -> ``flows``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("training", "checkpointing") else parts[0]
+
+
+def unit_imports() -> dict[str, set[str]]:
+    """Every unit, with the other units its modules import."""
+    known = modules()
+    graph: dict[str, set[str]] = {unit_of(name): set() for name in known}
+    for name, path in known.items():
+        graph[unit_of(name)] |= {unit_of(m) for m in imports(path, known)} - {unit_of(name)}
+    return graph
+
+
+def documented_order() -> list[str]:
+    """The numbered list under docs/architecture.md's import-order heading, bottom to top: one unit per item."""
+    section = ARCHITECTURE.read_text().partition(f"\n{ORDER_HEADING}\n")[2].partition("\n## ")[0]
+    return re.findall(r"^\d+\. `([\w.]+)`", section, flags=re.MULTILINE)
+
+
+def test_no_sub_package_imports_one_that_imports_it_back():
+    assert circles(unit_imports()) == []
+
+
+def test_every_unit_imports_only_units_below_it_in_the_documented_order():
+    graph, order = unit_imports(), documented_order()
+    assert len(order) == len(set(order)), f"{ARCHITECTURE.name} lists a unit twice: {order}"
+    assert not set(graph) - set(order), f"place {sorted(set(graph) - set(order))} in {ARCHITECTURE.name}'s order"
+    assert not set(order) - set(graph), f"{ARCHITECTURE.name} lists {sorted(set(order) - set(graph))}: no such unit"
+    floor = {unit: i for i, unit in enumerate(order)}
+    upward = sorted(f"{u} -> {v}" for u, targets in graph.items() for v in targets if floor[v] > floor[u])
+    assert upward == [], f"imports that point up {ARCHITECTURE.name}'s order: {upward}"
 
 
 def test_the_circle_finder_finds_a_circle_hidden_in_a_function():
