@@ -33,7 +33,6 @@ import select
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,13 +46,14 @@ from training.config import ConfigError, TrainConfig
 from training.config.machines import node_secret
 from training.distributed import nodes
 from training.distributed.errors import error_from_record
-from training.distributed.processes import die_with_parent, kill_group
-from training.recipe.loader import ALLOWED_ENV, resolve_recipe
+from training.distributed.launcher import NodeSeat, Torchrun, relay_output
+from training.distributed.processes import kill_group
+from training.recipe.loader import resolve_recipe
 from training.unit.loop import UnitResult
 
 logger = logging.getLogger(__name__)
 
-ADDRESS_ENV, TOKEN_ENV, FOLDER_ENV = "TRAIN_GANG_ADDRESS", "TRAIN_GANG_TOKEN", "TRAIN_GANG_FOLDER"
+ADDRESS_ENV, TOKEN_ENV = "TRAIN_GANG_ADDRESS", "TRAIN_GANG_TOKEN"  # and FOLDER_ENV: training/distributed/launcher.py
 START_TIMEOUT = 300.0  # seconds for torchrun's ranks to start and rank 0 to call back (imports on a loaded machine)
 MAX_MESSAGE = 64 * 1024 * 1024  # a result or report line; anything longer is not rank 0's
 NODE_CHECK_EVERY = 2.0  # seconds between looks at the other nodes' runs (nnodes > 1)
@@ -80,45 +80,29 @@ class Gang:
         self._buffer = b""
         self._stop_sent = False
         self.proc = self._launch()
-        self._relay = threading.Thread(target=self._relay_output, name="gang-output", daemon=True)
+        self._relay = threading.Thread(target=relay_output, args=(self.proc, logger), name="gang-output", daemon=True)
         self._relay.start()
         self._accept()
 
     # -- start ------------------------------------------------------------------------------------
     def _launch(self) -> subprocess.Popen:
         secret = node_secret() if self.config.nnodes > 1 else ""  # before anything is started
-        folder = Path(self._folder.name)
-        config_file = folder / "config.json"
-        config_file.write_text(self.config.model_dump_json())  # storage_options excluded: passed by environment
-        config_file.chmod(0o600)
         env = dict(os.environ)
         if self.config.storage_options:
             env["TRAIN_STORAGE_OPTIONS"] = json.dumps(self.config.storage_options)
+        env.update({ADDRESS_ENV: f"127.0.0.1:{self._listener.getsockname()[1]}", TOKEN_ENV: self._token})
         # This process already decided the recipe may run here; its ranks inherit that decision, nothing more.
-        env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), resolve_recipe(self.config.recipe)]))
-        if (roots := confine.local_roots()) is not None:  # a deployment run's ranks stay under the worker's roots
-            env[confine.ROOTS_ENV] = json.dumps(roots)
-        env.update({ADDRESS_ENV: f"127.0.0.1:{self._listener.getsockname()[1]}", TOKEN_ENV: self._token,
-                    FOLDER_ENV: str(folder)})  # fmt: skip
+        recipe = resolve_recipe(self.config.recipe)
+        roots = confine.local_roots()  # a deployment run's ranks stay under the worker's roots
         rendezvous = nodes.choose_rendezvous() if self.config.nnodes > 1 else None
-        if rendezvous is None:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.config.nproc_per_node}",
-                   "--max-restarts=0", "--standalone", "-m", "training.distributed.rank", "--config", str(config_file)]  # fmt: skip
-        else:
-            cmd = nodes.torchrun_command(self.config.nproc_per_node, self.config.nnodes, 0, rendezvous.endpoint,
-                                         rendezvous.rdzv_id, str(config_file))  # fmt: skip
-            env = nodes.node_environment(env, rendezvous.address)
+        seat = None
+        if rendezvous is not None:
+            seat = NodeSeat(self.config.nnodes, 0, rendezvous.endpoint, rendezvous.rdzv_id, rendezvous.address)
         logger.info("starting %d rank process(es) with torchrun%s (kept for the units of this attempt)",
                     self.config.nproc_per_node, f" as node 0 of {self.config.nnodes} at {rendezvous.endpoint}"
                     if rendezvous else "")  # fmt: skip
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own group: stopping it takes every rank with it
-            preexec_fn=die_with_parent,  # torchrun (and, through theirs, its ranks) die with this process
+        proc = Torchrun(self.config.nproc_per_node, recipe, roots, seat).start(
+            self.config, Path(self._folder.name), env
         )
         if rendezvous is not None:
             self._start_nodes(proc, rendezvous, secret)
@@ -166,11 +150,6 @@ class Gang:
                 self._conn = conn
             else:
                 conn.close()  # not our rank 0
-
-    def _relay_output(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            logger.info("%s", line.rstrip())
 
     # -- commands -----------------------------------------------------------------------------------
     @property

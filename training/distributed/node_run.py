@@ -26,15 +26,14 @@ import threading
 import time
 from pathlib import Path
 
-from checkpointing.io import confine
 from training.config import TrainConfig
 from training.config.limits import check_limits
 from training.config.machines import node_address
 from training.config.trust import check_locations, local_root_forms
-from training.distributed.gang import FOLDER_ENV
-from training.distributed.nodes import NodeOffer, node_environment, torchrun_command
-from training.distributed.processes import die_with_parent, kill_group
-from training.recipe.loader import ALLOWED_ENV, resolve_recipe
+from training.distributed.launcher import NodeSeat, Torchrun, relay_output
+from training.distributed.nodes import NodeOffer
+from training.distributed.processes import kill_group
+from training.recipe.loader import resolve_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +50,16 @@ def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     check_locations(config)  # this worker's roots, whatever node 0's worker allowed
     check_limits(config)  # ... and this worker's caps on what one run may start (training/config/limits.py)
     recipe = resolve_recipe(config.recipe)  # ... and this worker's recipes
-    env = node_environment(os.environ, node_address())
-    env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), recipe]))
-    env[confine.ROOTS_ENV] = json.dumps(
-        local_root_forms()
-    )  # its ranks' files stay under this worker's roots, link-free
+    seat = NodeSeat(offer.nnodes, offer.node_rank, offer.endpoint, offer.rdzv_id, node_address())
+    torchrun = Torchrun(offer.nproc_per_node, recipe, local_root_forms(), seat)  # ranks' files: under these roots
     with tempfile.TemporaryDirectory(prefix="node-") as folder:
-        config_file = Path(folder) / "config.json"
-        config_file.write_text(config.model_dump_json())
-        config_file.chmod(0o600)
-        env[FOLDER_ENV] = folder
-        cmd = torchrun_command(offer.nproc_per_node, offer.nnodes, offer.node_rank, offer.endpoint, offer.rdzv_id,
-                               str(config_file))  # fmt: skip
         logger.info("node %d of %d: starting %d rank process(es), rendezvous %s (%s)", offer.node_rank, offer.nnodes,
                     offer.nproc_per_node, offer.endpoint, offer.rdzv_id)  # fmt: skip
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+        proc = torchrun.start(config, Path(folder), os.environ)
         # In this run's context: torchrun's lines reach the node run's logs in the UI, not only the worker's output.
-        relay = threading.Thread(target=contextvars.copy_context().run, args=(_relay, proc), name="node-output",
-                                 daemon=True)  # fmt: skip
+        relay = threading.Thread(
+            target=contextvars.copy_context().run, args=(relay_output, proc, logger), name="node-output", daemon=True
+        )
         relay.start()
         try:
             code = supervise(proc, offer.endpoint)
@@ -110,12 +100,6 @@ def _answers(host: str, port: int, timeout: float) -> bool:
             return True
     except OSError:
         return False
-
-
-def _relay(proc: subprocess.Popen) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        logger.info("%s", line.rstrip())
 
 
 def _rank_error(folder: Path) -> str:

@@ -29,7 +29,8 @@ from typing import Any
 from training import preemption
 from training.config import TrainConfig
 from training.distributed.errors import error_record
-from training.distributed.gang import ADDRESS_ENV, FOLDER_ENV, MAX_MESSAGE, TOKEN_ENV
+from training.distributed.gang import ADDRESS_ENV, MAX_MESSAGE, TOKEN_ENV
+from training.distributed.launcher import FOLDER_ENV
 from training.distributed.processes import die_with_parent_now
 from training.unit.session import World
 

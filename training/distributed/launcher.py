@@ -1,0 +1,90 @@
+"""Starting torchrun for a gang's ranks on this machine: one way, whether it is node 0 (training/distributed/gang.py)
+or another node of a gang across machines (training/distributed/node_run.py).
+
+Each torchrun gets the run's config as a file only its user reads, an environment that carries this machine's
+decisions and nothing more — the recipe this worker allowed, the local roots its ranks stay under, never the pool's
+secret — and runs ``training.distributed.rank`` in a process group of its own that dies with this process
+(``PR_SET_PDEATHSIG``), so that stopping it takes every rank with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpointing.io import confine
+from training.config import TrainConfig
+from training.distributed.nodes import node_environment, torchrun_command
+from training.distributed.processes import die_with_parent
+from training.recipe.loader import ALLOWED_ENV
+
+FOLDER_ENV = "TRAIN_GANG_FOLDER"  # where a rank that fails writes what it raised (error-rank<r>.json)
+_RANK = ["-m", "training.distributed.rank"]  # every rank's entry point, on every node
+
+
+@dataclass(frozen=True)
+class NodeSeat:
+    """Where one torchrun sits in a gang across machines: node ``node_rank`` of ``nnodes``, meeting the others at
+    node 0's store (``endpoint``, ``rdzv_id``), reached at ``address``."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str
+    rdzv_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Torchrun:
+    """One torchrun of a gang on this machine: its ranks, what this worker lets them do, and where it meets the
+    other machines (``seat``; None: this machine alone, ``--standalone``)."""
+
+    nproc_per_node: int
+    recipe: str  # resolved and allowed here: the ranks inherit that decision, nothing more
+    roots: list[str] | None  # the local roots its ranks stay under (a deployment run's); None: not confined
+    seat: NodeSeat | None = None
+
+    def start(self, config: TrainConfig, folder: Path, env: Mapping[str, str]) -> subprocess.Popen:
+        """Starts torchrun with ``config`` written to ``folder`` and ``env`` as the base of its environment; its
+        output (ranks' included) is the process's ``stdout``, as text."""
+        config_file = folder / "config.json"
+        config_file.write_text(config.model_dump_json())  # storage_options excluded: passed by environment
+        config_file.chmod(0o600)
+        return subprocess.Popen(
+            self.command(str(config_file)),
+            env=self.environment(env, folder),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own group: stopping it takes every rank with it
+            preexec_fn=die_with_parent,  # torchrun (and, through theirs, its ranks) die with this process
+        )
+
+    def command(self, config_file: str) -> list[str]:
+        if self.seat is None:  # this machine alone
+            standalone = [f"--nproc-per-node={self.nproc_per_node}", "--max-restarts=0", "--standalone"]
+            return [sys.executable, "-m", "torch.distributed.run", *standalone, *_RANK, "--config", config_file]
+        s = self.seat
+        return torchrun_command(self.nproc_per_node, s.nnodes, s.node_rank, s.endpoint, s.rdzv_id, config_file)
+
+    def environment(self, env: Mapping[str, str], folder: Path) -> dict[str, str]:
+        """``env`` with the recipe allowed, the roots confined and the gang's folder; across machines, without the
+        pool's secret and with gloo and NCCL bound where this node is reached (``node_environment``)."""
+        result = dict(env) if self.seat is None else node_environment(env, self.seat.address)
+        result[ALLOWED_ENV] = ",".join(filter(None, [result.get(ALLOWED_ENV, ""), self.recipe]))
+        if self.roots is not None:
+            result[confine.ROOTS_ENV] = json.dumps(self.roots)
+        result[FOLDER_ENV] = str(folder)
+        return result
+
+
+def relay_output(proc: subprocess.Popen, log: logging.Logger) -> None:
+    """Passes torchrun's lines (its ranks' included) to ``log`` until it closes its output."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.info("%s", line.rstrip())
