@@ -34,16 +34,13 @@ from flows.server import prefect_api
 from tasks import evaluate, unit_outcome, unit_task
 from training import preemption
 from training.config import ConfigError, TrainConfig
+from training.exceptions import RestartLimitError
 from training.preemption import Preempted
 from training.recipe.loader import allow_recipe
 from training.run import Run, TrainResult
 from training.unit.warm import PROCESS
 
 __all__ = ["Preempted", "RestartLimitError", "TrainConfig", "TrainResult", "allow_recipe", "main", "train"]
-
-
-class RestartLimitError(RuntimeError):
-    """The flow run was restarted more often than ``max_restarts``: it ends Failed, which no automation restarts."""
 
 
 class TrainFlow(Flow):

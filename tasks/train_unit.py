@@ -20,24 +20,14 @@ from prefect.runtime import task_run
 from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
-from checkpointing import FencedError, NotACheckpointError, PermanentStorageError, UnsafeCheckpointError
-from checkpointing.io.localfs import LinkedLocationError
 from tasks.nodes import node_launcher
-from training.config import ConfigError, TrainConfig
+from training.config import TrainConfig
+from training.exceptions import Permanent
 from training.preemption import Preempted
 from training.run import execute_unit
 from training.unit.evaluation import evaluate_checkpoint
 from training.unit.loop import UnitResult
 
-# Mistakes and permanent conditions: a retry would fail the same way, after a backoff and a wall of tracebacks.
-_NOT_RETRIED = (
-    ConfigError,
-    UnsafeCheckpointError,
-    FencedError,
-    NotACheckpointError,
-    PermanentStorageError,
-    LinkedLocationError,  # a location that became a link: training/config/trust.py
-)
 T = TypeVar("T")
 # The names of a stopped task run's state (a Cancelled one); a preempted deployment run's Scheduled state is named
 # PREEMPTED too (flows/restarts.py).
@@ -47,9 +37,11 @@ _JITTER = random.SystemRandom()  # never the training thread's generator (traini
 
 
 def retry_unless_permanent(task, task_run, state) -> bool:
-    """Retry condition (a plain function: Prefect 3.8 ignores partials and callable objects)."""
+    """Retry condition (a plain function: Prefect 3.8 ignores partials and callable objects). Mistakes and permanent
+    conditions (training/exceptions.py, checkpointing/errors.py) are not retried: a retry would fail the same way,
+    after a backoff and a wall of tracebacks."""
     exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
-    return not isinstance(exc, _NOT_RETRIED)
+    return not isinstance(exc, Permanent)
 
 
 # The run name ends in "-unit-<n>": the run summary counts these tasks' retries (a loop of its own is unit 0).

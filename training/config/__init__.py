@@ -6,6 +6,6 @@ The face: ``from training.config import TrainConfig, ConfigError, Duration, load
 
 from training.config.durations import Duration
 from training.config.settings import TrainConfig, describe_error, load_config
-from training.config.text import ConfigError
+from training.exceptions import ConfigError
 
 __all__ = ["ConfigError", "Duration", "TrainConfig", "describe_error", "load_config"]

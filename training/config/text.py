@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from training.exceptions import ConfigError
+
 MAX_FILE_BYTES = 256 * 1024  # a config file of every field with long descriptions is a few KiB
 MAX_JSON_CHARS = 65536  # the bound recipe_args already has once parsed
 MAX_DEPTH = 32  # mappings and lists inside each other
@@ -30,10 +32,6 @@ MAX_NUMBER_CHARS = 40  # an int64 has 19 digits; float and date literals stay we
 # Outside strings and comments: brackets, the dots of dotted keys, and literals that start with a digit (numbers,
 # dates).
 _TOKEN = re.compile(r"[#\"'\[\]{}.=]|(?<![\w.+-])[+-]?\d[\w.+:-]*")
-
-
-class ConfigError(ValueError):
-    """A configuration value the run cannot use. Never retried."""
 
 
 def short(value: Any, limit: int = 120) -> str:

@@ -1,49 +1,33 @@
 """Errors that cross a process boundary typed: a rank's ``UnsafeCheckpointError`` is one in the unit's process too.
 
-A rank records what it raised as JSON (``error_record``); the parent rebuilds it (``error_from_record``) from a
-fixed list of the product's own error classes, never from a name it would import. What must not be retried
-(a configuration mistake, an unsafe or corrupt checkpoint, a fenced writer) then is not retried, and the message
-still names the file; ``Preempted`` keeps its checkpoint and step. Anything else comes back as a
-``RemoteError`` (retried) carrying the type's name and message.
+A rank records what it raised as JSON (``error_record``); the parent rebuilds it (``error_from_record``) as the class
+of that name in the product's two error modules (checkpointing/errors.py, training/exceptions.py), never from a name
+it would import. What must not be retried (a configuration mistake, an unsafe or corrupt checkpoint, a fenced writer:
+the ``Permanent`` ones) then is not retried, and the message still names the file; ``Preempted`` keeps its checkpoint
+and step. Anything else comes back as a ``RemoteError`` (retried) carrying the type's name and message.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
-from checkpointing import (
-    AccessDeniedError,
-    CheckpointError,
-    CorruptCheckpointError,
-    FencedError,
-    NotACheckpointError,
-    PermanentStorageError,
-    StorageError,
-    UnsafeCheckpointError,
-)
-from checkpointing.io.localfs import LinkedLocationError
-from checkpointing.peers.weights import WeightsError
-from training.config import ConfigError
+from checkpointing import errors as checkpoint_errors
+from training import exceptions
+from training.exceptions import RemoteError
 from training.preemption import Preempted, Stop
 
 MAX_MESSAGE = 4000
 
 
-class RemoteError(RuntimeError):
-    """An error of another process that is none of the product's own types (retried like any failure)."""
+def _classes(module: ModuleType) -> dict[str, type[BaseException]]:
+    """The error classes ``module`` defines (not those it imports), by name."""
+    classes = [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, BaseException)]
+    return {cls.__name__: cls for cls in classes if cls.__module__ == module.__name__}
 
 
-def _known() -> dict[str, type[BaseException]]:
-    from training.unit.loop import InjectedFault
-    from training.unit.own_loop import LoopEndedEarlyError
-    from training.unit.reported_state import ReportError
-
-    classes: list[type[BaseException]] = [
-        ConfigError, ReportError, LoopEndedEarlyError, UnsafeCheckpointError, CorruptCheckpointError,
-        NotACheckpointError, FencedError, AccessDeniedError, PermanentStorageError, StorageError, CheckpointError,
-        WeightsError, InjectedFault, LinkedLocationError,
-    ]  # fmt: skip
-    return {cls.__name__: cls for cls in classes}
+# Every error class of the product, by name: what a rank's record is rebuilt as.
+REBUILT: dict[str, type[BaseException]] = {**_classes(checkpoint_errors), **_classes(exceptions)}
 
 
 def error_record(exc: BaseException, rank: int) -> dict[str, Any]:
@@ -66,7 +50,7 @@ def error_from_record(record: Any) -> BaseException:
         seconds = record.get("seconds")
         return Preempted(stop, record.get("checkpoint"), int(record.get("step") or 0),
                          float(seconds) if isinstance(seconds, (int, float)) else None, str(record.get("note") or ""))  # fmt: skip
-    cls = _known().get(name)
+    cls = REBUILT.get(name)
     if cls is None:
         return RemoteError(f"{name}: {message} {rank}")
     exc = cls(message)

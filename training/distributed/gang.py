@@ -48,6 +48,7 @@ from training.distributed import nodes
 from training.distributed.errors import error_from_record
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.distributed.processes import kill_group
+from training.exceptions import DistributedUnitError
 from training.recipe.loader import resolve_recipe
 from training.unit.loop import UnitResult
 
@@ -58,11 +59,6 @@ START_TIMEOUT = 300.0  # seconds for torchrun's ranks to start and rank 0 to cal
 MAX_MESSAGE = 64 * 1024 * 1024  # a result or report line; anything longer is not rank 0's
 NODE_CHECK_EVERY = 2.0  # seconds between looks at the other nodes' runs (nnodes > 1)
 NODE_EXIT_GRACE = 30.0  # seconds for the other nodes to end by themselves after a clean exit, before they are stopped
-
-
-class DistributedUnitError(RuntimeError):
-    """The ranks ended without a result (a rank failed or was killed). Retried by Prefect: the retry starts a
-    fresh gang that resumes from the last checkpoint."""
 
 
 class Gang:

@@ -33,16 +33,13 @@ from training.config.trust import check_locations, local_root_forms
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.distributed.nodes import NodeOffer
 from training.distributed.processes import kill_group
+from training.exceptions import NodeFailed
 from training.recipe.loader import resolve_recipe
 
 logger = logging.getLogger(__name__)
 
 LOST_AFTER = 30.0  # seconds without an answer from node 0's store before this node stops
 PROBE_EVERY = 3.0  # seconds between looks at node 0's store
-
-
-class NodeFailed(RuntimeError):
-    """This node's torchrun ended with an error (a rank failed, or node 0 went away)."""
 
 
 def run_node(offer: NodeOffer, config: TrainConfig) -> str:

@@ -35,8 +35,9 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from training.config import ConfigError, TrainConfig
+from training.config import TrainConfig
 from training.config.machines import MIN_SECRET, SECRET_ENV, node_address  # what every worker of the pool sets
+from training.exceptions import OfferRefused
 
 OFFER_TTL = (
     300  # seconds a node run has to start and join; node 0 waits as long (training/distributed/gang.py START_TIMEOUT)
@@ -46,10 +47,6 @@ MAX_CONFIG = 1 << 20  # bytes of the config parameter's JSON
 _DOMAIN = b"resumable-train node offer v1\n"
 _RDZV_ID = re.compile(r"^[a-z0-9-]{1,64}$")
 _SIOCGIFADDR = 0x8915
-
-
-class OfferRefused(ConfigError):
-    """A node offer that this worker will not act on (unsigned, forged, expired or malformed): nothing is started."""
 
 
 class NodeLauncher(Protocol):

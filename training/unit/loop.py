@@ -22,6 +22,7 @@ from checkpointing import CheckpointStore
 from checkpointing.commit import PendingCommit
 from training import preemption
 from training.config import ConfigError, TrainConfig
+from training.exceptions import InjectedFault
 from training.position.progress import crossed, ends_unit, is_complete, samples_left, unit_index
 from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted, SaveBudget, Stop
@@ -31,10 +32,6 @@ from training.unit.session import SINGLE_PROCESS, Session, World
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
-
-
-class InjectedFault(RuntimeError):
-    """Raised by ``inject_fault_at_step``: a deliberate, retryable failure for demos and tests."""
 
 
 class UnitResult(BaseModel):

@@ -19,14 +19,10 @@ from typing import Any
 import torch
 
 from checkpointing.serialization import safe_load, serialize
-from training.config import ConfigError
+from training.exceptions import ReportError
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-class ReportError(ConfigError):
-    """``ctx.report`` was given something it cannot commit safely. Never retried: it would fail the same way."""
 
 
 def check_loadable(state: Any) -> None:

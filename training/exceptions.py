@@ -1,0 +1,68 @@
+"""Every error of a run above the checkpoint layer, in one leaf module (checkpointing/errors.py holds the layer's own).
+
+An error that no retry can cure carries the ``Permanent`` marker, directly or through ``ConfigError``: the unit's
+retry policy (tasks/train_unit.py) reads the marker, and a rank's error crosses the torchrun boundary as the same type
+(training/distributed/errors.py) because its class is in one of the two modules. A new error class goes here (or
+there), so both see it without a list to update.
+
+The classes are still importable from the modules that raise them (``training.config.ConfigError``,
+``training.unit.own_loop.LoopEndedEarlyError``, ...). ``Preempted`` is not here: it is a stop, not an error (a
+BaseException carrying the ``Stop`` it answers), and lives with the stop machinery in training/preemption.py.
+"""
+
+from __future__ import annotations
+
+from checkpointing.errors import Permanent
+
+__all__ = [
+    "ConfigError",
+    "DistributedUnitError",
+    "InjectedFault",
+    "LoopEndedEarlyError",
+    "NodeFailed",
+    "OfferRefused",
+    "Permanent",
+    "RemoteError",
+    "ReportError",
+    "RestartLimitError",
+]
+
+
+# -- mistakes: the same inputs fail the same way -------------------------------------------------------------------
+class ConfigError(ValueError, Permanent):
+    """A configuration value the run cannot use. Never retried."""
+
+
+class ReportError(ConfigError):
+    """``ctx.report`` was given something it cannot commit safely. Never retried: it would fail the same way."""
+
+
+class LoopEndedEarlyError(ConfigError):
+    """``train_loop`` returned before any report reached ``max_duration``. Never retried."""
+
+
+class OfferRefused(ConfigError):
+    """A node offer that this worker will not act on (unsigned, forged, expired or malformed): nothing is started."""
+
+
+# -- failures a retry may cure -------------------------------------------------------------------------------------
+class InjectedFault(RuntimeError):
+    """Raised by ``inject_fault_at_step``: a deliberate, retryable failure for demos and tests."""
+
+
+class DistributedUnitError(RuntimeError):
+    """The ranks ended without a result (a rank failed or was killed). Retried by Prefect: the retry starts a
+    fresh gang that resumes from the last checkpoint."""
+
+
+class NodeFailed(RuntimeError):
+    """This node's torchrun ended with an error (a rank failed, or node 0 went away)."""
+
+
+class RemoteError(RuntimeError):
+    """An error of another process that is none of the product's own types (retried like any failure)."""
+
+
+# -- the flow's own end --------------------------------------------------------------------------------------------
+class RestartLimitError(RuntimeError):
+    """The flow run was restarted more often than ``max_restarts``: it ends Failed, which no automation restarts."""
