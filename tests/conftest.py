@@ -71,15 +71,13 @@ def prefect_env(prefect_harness) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def _fresh_process_state():
-    """Each test starts without the in-memory state a previous test's unit left behind, and without the
-    recipes a command line run in this process allowed for itself."""
-    from training.recipe import loader as recipe
-    from training.unit.warm import PROCESS
+    """Each test starts as in a fresh process, and leaves nothing behind: no warm session or gang, stop request,
+    recipe a command line allowed for itself... (everything training/process_state.py lists)."""
+    from training import process_state
 
-    PROCESS.forget()
+    process_state.reset()
     yield
-    PROCESS.forget()
-    recipe._allowed_in_process.clear()
+    process_state.reset()
 
 
 @pytest.fixture

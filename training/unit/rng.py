@@ -85,6 +85,18 @@ def own_python_random() -> None:
         _owner = threading.get_ident()
 
 
+def disown_python_random() -> None:
+    """Undoes ``own_python_random``: ``random``'s functions are its own generator's again, for every thread, as in
+    a fresh process (tests start each from there: training/process_state.py)."""
+    global _owner
+    with _lock:
+        if _owner is not None:
+            for name in _ROUTED:
+                if hasattr(_TRAINING, name):
+                    setattr(random, name, getattr(_TRAINING, name))
+        _owner = None
+
+
 def capture() -> dict[str, Any]:
     state: dict[str, Any] = {"python": _py_to_plain(_TRAINING.getstate()), "torch": torch.get_rng_state()}
     if np is not None:
