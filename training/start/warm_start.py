@@ -7,7 +7,8 @@ under ``load_strict`` and ``load_ignore_keys``. With ``load_weights_only=false``
 Composer, Lightning, MindSpore or Ray file holds: the optimizer state (re-keyed to the recipe's optimizer) and the
 progress counters, under this run's hyper-parameters (training/start/carry_over.py). The flow calls ``check_load_path``
 first, on a model and optimizer built on the meta device (shapes, no memory), so a mismatch fails the run before it
-claims or writes anything; the unit then calls ``load_start`` and reads the file once more.
+claims or writes anything; the unit then calls ``load_start`` and reads the file once more (both through
+training/start/load_path.py, the one reader of ``load_path``).
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from typing import Any
 
 import torch
 
-from checkpointing import CheckpointStore, NotACheckpointError, UnsafeCheckpointError, open_checkpoint_uri
+from checkpointing import CheckpointStore, NotACheckpointError, UnsafeCheckpointError
 from checkpointing.io import confine
-from checkpointing.peers.formats import PeerCheckpoint, is_weights_file, optimizer_state_for, read_peer_checkpoint
-from checkpointing.peers.weights import LoadReport, Weights, WeightsError, check_match, load_into, match, tied_keys
+from checkpointing.peers.formats import PeerCheckpoint, optimizer_state_for
+from checkpointing.peers.weights import LoadReport, WeightsError, check_match, load_into, match, tied_keys
 from checkpointing.store import STATE_FILE
 from training.config import ConfigError, TrainConfig
 from training.position.progress import Progress, check_progress, is_complete, rescaled
 from training.recipe.loader import load_recipe, open_dataset, uses_own_loop
 from training.start.carry_over import check_model_fits, check_optimizer_fits, optimizer_param_names, peer_progress
+from training.start.load_path import read_checkpoint, read_weights
 
 logger = logging.getLogger(__name__)
 WEIGHTS_ONLY = "load_weights_only=true to take the weights alone"
@@ -58,10 +60,10 @@ def load_start(config: TrainConfig, model: torch.nn.Module, optimizer: torch.opt
     """Loads ``load_path``'s weights into ``model`` when they come from a file or a peer's folder (or a folder of ours
     with load_weights_only), and returns what else carries over into ``optimizer`` (None: weights only); None when a
     folder of ours gives its full state (the session loads it whole)."""
-    found = _read(config)
+    found = read_weights(config)
     if found is None:
         return None
-    peer, origin = found
+    peer, origin = found.peer, found.origin
     nothing_else = peer.optimizer_state is None and not peer.progress
     if nothing_else and not config.load_weights_only:
         logger.info("load_path is a weights file: weights only; optimizer, scheduler and progress start fresh")
@@ -154,7 +156,7 @@ def check_load_path(config: TrainConfig) -> None:
     if key in _passed:
         return
     try:
-        found = _read(config)
+        found = read_weights(config)
         if found is None:
             if config.load_ignore_keys or not config.load_strict:
                 raise ConfigError(
@@ -168,7 +170,7 @@ def check_load_path(config: TrainConfig) -> None:
                 )
             _check_full_folder(config)
         else:
-            _check_peer(config, found[0])
+            _check_peer(config, found.peer)
     except (WeightsError, NotACheckpointError, UnsafeCheckpointError) as exc:
         raise ConfigError(str(exc)) from exc
     _passed.add(key)
@@ -194,7 +196,7 @@ def _check_peer(config: TrainConfig, peer: PeerCheckpoint) -> None:
 
 def _check_full_folder(config: TrainConfig) -> None:
     """Our checkpoint or run folder, whose full state a new run takes: its model and optimizer must fit whole."""
-    loaded = open_checkpoint_uri(str(config.load_path), storage_options=config.storage_options, files=[STATE_FILE])
+    loaded = read_checkpoint(config)
     state = loaded.objects[STATE_FILE]["state"]
     model, optimizer = _recipe_objects(config)
     fix = "check recipe and recipe_args, or take the weights that fit: load_weights_only=true load_strict=false"
@@ -227,18 +229,6 @@ def _check_key(config: TrainConfig) -> str:
               "max_duration", "global_batch_size", "parallelism")  # fmt: skip
     confined = confine.local_roots()  # a check passed unconfined (links followed) does not pass a confined run
     return json.dumps([getattr(config, f) for f in fields] + [confined], sort_keys=True, default=str)
-
-
-def _read(config: TrainConfig) -> tuple[PeerCheckpoint, str] | None:
-    uri, options = str(config.load_path), config.storage_options
-    if is_weights_file(uri, options):
-        peer = read_peer_checkpoint(uri, options)
-        return peer, f"weights of {uri} (load_path: {peer.weights.description})"
-    if not config.load_weights_only:
-        return None
-    loaded = open_checkpoint_uri(uri, storage_options=options, files=[STATE_FILE])
-    weights = Weights(loaded.objects[STATE_FILE]["state"]["model"], f"checkpoint {loaded.info.name}")
-    return PeerCheckpoint(weights, description=weights.description), f"weights of {loaded.info.uri} (load_path)"
 
 
 def _recipe_objects(config: TrainConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -44,13 +44,13 @@ from checkpointing.commit import Committer, PendingCommit
 from checkpointing.store import STATE_FILE
 from training import preemption
 from training.config import ConfigError, TrainConfig
-from training.exceptions import LoopEndedEarlyError
 from training.position.progress import Progress, is_complete
 from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted
 from training.recipe.context import RunContext
 from training.recipe.loader import load_recipe
 from training.start.identity import check_same_run
+from training.start.load_path import read_checkpoint, read_weights
 from training.unit import rng
 from training.unit.loop import InjectedFault, UnitResult
 from training.unit.reported_state import ReportError, check_loadable, check_metrics
@@ -62,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = ("epoch", "step", "samples_seen")
 OnReport = Callable[[UnitResult], None]
+
+
+class LoopEndedEarlyError(ConfigError):
+    """``train_loop`` returned before any report reached ``max_duration``. Never retried."""
 
 
 class LoopContext(RunContext):
@@ -311,21 +315,17 @@ def load_path_state(config: TrainConfig) -> dict[str, Any]:
     """What ``get_checkpoint()`` returns for a run that has no checkpoint of its own yet but a ``load_path`` (Ray's
     ``resume_from_checkpoint``): the reported state of that checkpoint or run folder, or ``{"model": weights}`` of a
     weights file (or of a folder with ``load_weights_only``)."""
-    from checkpointing import open_checkpoint_uri
-    from checkpointing.peers.formats import is_weights_file, read_weights
-
-    uri = str(config.load_path)
-    if is_weights_file(uri, config.storage_options):
-        weights = read_weights(uri, config.storage_options)
-        logger.info("no checkpoint of this run yet: get_checkpoint() returns {'model': ...} of load_path (%s)",
-                    weights.description)  # fmt: skip
-        return {"model": weights.state_dict}
-    loaded = open_checkpoint_uri(uri, storage_options=config.storage_options, files=[STATE_FILE])
-    state = loaded.objects[STATE_FILE]["state"]
-    if config.load_weights_only:
-        return {"model": state["model"]}
+    weights = read_weights(config)
+    if weights is not None:
+        if weights.from_file:
+            what = weights.peer.weights.description
+            logger.info(
+                "no checkpoint of this run yet: get_checkpoint() returns {'model': ...} of load_path (%s)", what
+            )
+        return {"model": weights.peer.weights.state_dict}
+    loaded = read_checkpoint(config)
     logger.info("no checkpoint of this run yet: get_checkpoint() returns the state of %s (load_path)", loaded.info.uri)
-    return dict(state)
+    return dict(loaded.objects[STATE_FILE]["state"])
 
 
 def run_custom_loop(config: TrainConfig, *, attempt: int = 1, generation: int = 0, world: World = SINGLE_PROCESS,

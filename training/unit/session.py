@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from checkpointing import CheckpointStore, LoadedCheckpoint, Writer, open_checkpoint_uri
+from checkpointing import CheckpointStore, LoadedCheckpoint, Writer
 from checkpointing import commit as commits
 from checkpointing.commit import Committer, PendingCommit, Retention
 from checkpointing.io.storage import RetrySettings
@@ -26,6 +26,7 @@ from training.recipe.hooks import Hooks
 from training.recipe.loader import Recipe, load_recipe, open_dataset
 from training.start import carry_over
 from training.start.identity import check_same_run, run_identity
+from training.start.load_path import read_checkpoint
 from training.start.warm_start import load_start, load_weights
 from training.unit import rng
 from training.unit.state import SMALL, TrainState
@@ -213,7 +214,7 @@ def _start_from_load_path(config: TrainConfig, session: Session, files: list[str
         session.data_skip_applied = requested_data_skip(config)  # a new run: nothing to skip
         return Origin("load_path", None, start.origin)
     if start is None:
-        loaded = open_checkpoint_uri(str(config.load_path), storage_options=config.storage_options, files=files)
+        loaded = read_checkpoint(config, files)
         fix = "check recipe and recipe_args, or take the weights that fit: load_weights_only=true load_strict=false"
         _apply(session, loaded, fix, what=f"load_path={config.load_path!r} ({loaded.info.name})")
         text, carried_optimizer = f"state of {loaded.info.uri} (load_path)", True
