@@ -44,6 +44,7 @@ from checkpointing.commit import Committer, PendingCommit
 from checkpointing.store import STATE_FILE
 from training import preemption
 from training.config import ConfigError, TrainConfig
+from training.exceptions import LoopEndedEarlyError
 from training.position.progress import Progress, is_complete
 from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted
@@ -62,10 +63,6 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = ("epoch", "step", "samples_seen")
 OnReport = Callable[[UnitResult], None]
-
-
-class LoopEndedEarlyError(ConfigError):
-    """``train_loop`` returned before any report reached ``max_duration``. Never retried."""
 
 
 class LoopContext(RunContext):
