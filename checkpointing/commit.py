@@ -1,9 +1,10 @@
 """The one commit path: every checkpoint — a unit's, a ``train_loop`` report, FSDP shards, a preemption
 checkpoint — is named, written, vouched for (files → manifest → ``latest``, fenced) and pruned here.
 
-Training hands over where it stands (``progress``), what to save (objects for ``torch.save``, or a sharded
-state dict for DCP), the manifest's metadata, its writer and the retention; only this package makes names
-(``CheckpointStore.name_for``) and manifests (``CheckpointStore._publish``).
+Training (its one caller, training/unit/checkpointer.py) hands over what to save (objects for ``torch.save``, or a
+sharded state dict for DCP) and the ``CommitTerms``: where it stands (``progress``), the manifest's metadata, its
+writer and the retention; only this package makes names (``CheckpointStore.name_for``) and manifests
+(``CheckpointStore._publish``).
 
 A commit is made now (streamed into the store while it is hashed: no serialized copy of the state in memory)
 or in the background: the state is serialized (the only stall) and uploaded while training goes on. At most one
@@ -44,6 +45,18 @@ class Retention:
 
     def apply(self, store: CheckpointStore) -> list[str]:
         return store.prune(self.keep, self.score_attribute, self.score_order) if self.keep > 0 else []
+
+
+@dataclass(frozen=True)
+class CommitTerms:
+    """Everything of a commit but what it saves: the store, the progress (which names the checkpoint), the manifest's
+    metadata, the writer (fenced by its generation) and the retention applied after it."""
+
+    store: CheckpointStore
+    progress: dict[str, int]
+    writer: Writer
+    metadata: dict[str, Any] = field(default_factory=dict)
+    retention: Retention = Retention()
 
 
 @dataclass(frozen=True)
@@ -114,27 +127,19 @@ class PendingCommit:
 
 
 def request(
-    store: CheckpointStore,
-    progress: dict[str, int],
-    objects: dict[str, Any],
-    *,
-    metadata: dict[str, Any],
-    writer: Writer,
-    retention: Retention,
-    background: bool,
-    network_weights: bool = False,
+    terms: CommitTerms, objects: dict[str, Any], *, background: bool, network_weights: bool = False
 ) -> CommitRequest:
-    """The request for a checkpoint of ``objects`` (file name -> object for ``torch.save``) at ``progress``; with
+    """The request for a checkpoint of ``objects`` (file name -> object for ``torch.save``) under ``terms``; with
     ``network_weights``, plus ``weights.pt``: the model state_dict of ``state.pt`` (``["state"]["model"]``) alone."""
     if network_weights:
         objects = with_network_weights(objects)
     return CommitRequest(
-        store=store,
-        name=store.name_for(progress, writer.generation),
-        progress=dict(progress),
-        metadata=metadata,
-        writer=writer,
-        retention=retention,
+        store=terms.store,
+        name=terms.store.name_for(terms.progress, terms.writer.generation),
+        progress=dict(terms.progress),
+        metadata=terms.metadata,
+        writer=terms.writer,
+        retention=terms.retention,
         blobs=serialize(objects) if background else {},  # a snapshot to upload while training goes on
         objects=None if background else objects,  # else streamed: no second copy of the state in memory
     )
@@ -153,25 +158,19 @@ def with_network_weights(objects: dict[str, Any]) -> dict[str, Any]:
     return {**objects, WEIGHTS_FILE: model}
 
 
-def commit_sharded(
-    store: CheckpointStore,
-    progress: dict[str, int],
-    state_dict: dict[str, Any],
-    files: dict[str, Any],
-    *,
-    metadata: dict[str, Any],
-    writer: Writer,
-    retention: Retention,
-) -> PendingCommit:
+def commit_sharded(terms: CommitTerms, state_dict: dict[str, Any], files: dict[str, Any]) -> PendingCommit:
     """Every rank calls it: DCP shards of ``state_dict`` plus this rank's ``files``, committed by rank 0 under the
     same protocol (see ``sharded.save_state``), then pruned by rank 0. Synchronous: the shards are written from the
     live model (DCP's async_save would need a staging copy, the memory this mode saves)."""
     from checkpointing import ranks, sharded
 
+    store, progress, writer = terms.store, terms.progress, terms.writer
     name = ranks.on_rank0(lambda: store.name_for(progress, writer.generation))
-    info = sharded.save_state(store, name, state_dict, files=files, progress=progress, metadata=metadata, writer=writer)
+    info = sharded.save_state(
+        store, name, state_dict, files=files, progress=progress, metadata=terms.metadata, writer=writer
+    )
     if (ranks.group() or (0, 1))[0] == 0:
-        retention.apply(store)
+        terms.retention.apply(store)
     return PendingCommit.of(info)
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing import CheckpointStore, Writer
+from checkpointing.commit import CommitTerms
 from training.unit import fsdp
 
 GLOBAL_BATCH = 16
@@ -59,14 +60,14 @@ class Rank:
             self.step += op["steps"]
             return {"losses": losses}
         if kind == "save":
+            progress = {"samples_seen": self.step * GLOBAL_BATCH, "step": self.step}
+            terms = CommitTerms(self.store, progress, Writer.current(op.get("generation", 1)))
             pending = fsdp.save_sharded(  # named by the store from the progress: ep0-ba<step>-sa<16 * step>
-                self.store,
+                terms,
                 self.model,
                 self.optimizer,
                 {"step": self.step},
                 rank_extra={"rank": self.rank, "rng": torch.get_rng_state()},
-                progress={"samples_seen": self.step * GLOBAL_BATCH, "step": self.step},
-                writer=Writer.current(op.get("generation", 1)),
             )
             info = pending.wait()
             assert info.name == op["name"], (info.name, op["name"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,11 +38,10 @@ from checkpointing import (
     CheckpointInfo,
     CheckpointStore,
     CorruptCheckpointError,
-    Writer,
     ranks,
     sharded,
 )
-from checkpointing.commit import PendingCommit, Retention, commit_sharded
+from checkpointing.commit import CommitTerms, PendingCommit, commit_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -88,33 +87,21 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def save_sharded(
-    store: CheckpointStore,
+    terms: CommitTerms,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any],
-    *,
     rank_extra: dict[str, Any] | None = None,
-    progress: dict[str, int],
-    metadata: dict[str, Any] | None = None,
-    writer: Writer,
-    retention: Retention | None = None,
 ) -> PendingCommit:
     """Every rank calls it: writes its shards and its ``rank_extra``; rank 0 also ``extra``, then commits
-    (manifest, then ``latest``) through the one commit path. Every rank returns the committed checkpoint or
-    raises the same error."""
+    (manifest, then ``latest``) under ``terms`` through the one commit path. Every rank returns the committed
+    checkpoint or raises the same error."""
     rank = dist.get_rank()
     files = {rank_extra_file(rank): rank_extra or {}}
     if rank == 0:
         files[EXTRA_FILE] = extra
-    return commit_sharded(
-        store,
-        progress,
-        state_dicts(model, optimizer),
-        files,
-        metadata={**(metadata or {}), "parallelism": "fsdp"},
-        writer=writer,
-        retention=retention or Retention(),
-    )
+    terms = replace(terms, metadata={**terms.metadata, "parallelism": "fsdp"})
+    return commit_sharded(terms, state_dicts(model, optimizer), files)
 
 
 def load_sharded(

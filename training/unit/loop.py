@@ -18,7 +18,6 @@ import torch
 from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
-from checkpointing import CheckpointStore
 from checkpointing.commit import PendingCommit
 from training import preemption
 from training.config import ConfigError, TrainConfig
@@ -27,6 +26,7 @@ from training.position.progress import crossed, ends_unit, is_complete, samples_
 from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted, SaveBudget, Stop
 from training.unit import session as sessions
+from training.unit.checkpointer import Checkpointer
 from training.unit.evaluation import evaluate_model, to_device
 from training.unit.session import SINGLE_PROCESS, Session, World
 from training.unit.warm import PROCESS, SessionCache
@@ -96,12 +96,14 @@ def run_unit(
             raise _preempted(stop, origin.checkpoint, session, None, cache)
         if stop is not None and not budget.fits(stop):
             raise _preempted(stop, origin.checkpoint, session, None, cache, budget.why_not(stop))
-        pending = _commit(config, store, session, cache, metrics, generation)
-        stall = metrics["checkpoint_seconds"]
+        checkpointer = Checkpointer(config, store, cache.committer, generation=generation, world=world)
+        saved = checkpointer.save(session, metrics)
+        pending, stall = saved.pending, saved.seconds
+        metrics = {**metrics, "checkpoint_seconds": stall}
         budget.observe(stall)  # and once an upload in the background is done, the whole commit: a stop waits for it
         pending.when_committed(lambda seconds: budget.observe(max(seconds, stall)))
         if stop is not None:
-            raise _preempted(stop, pending.name, session, metrics["checkpoint_seconds"], cache)
+            raise _preempted(stop, pending.name, session, stall, cache)
         if is_complete(session.progress, config.duration):
             cache.committer.wait()  # the run is done only when its last checkpoint is committed
     except BaseException:
@@ -159,42 +161,6 @@ def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[
         unit, metrics["train_loss"], metrics["samples_per_second"], pending.name, pending.size_bytes / 1e6, how,
         metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen,
     )  # fmt: skip
-
-
-def _commit(
-    config: TrainConfig,
-    store: CheckpointStore,
-    s: Session,
-    cache: SessionCache,
-    metrics: dict[str, float],
-    generation: int,
-) -> PendingCommit:
-    """Single process: save. Several: rank 0 gathers every rank's RNG state, saves, tells the others.
-    FSDP: every rank writes its own shards."""
-    if config.parallelism == "fsdp":
-        return sessions.save_sharded(config, store, s, metrics, generation)
-    if s.world.size == 1:
-        return sessions.save(config, store, s, cache.committer, metrics, generation)
-    import torch.distributed as dist
-
-    from training.unit import rng
-
-    s.rng_state = rng.capture()
-    states: list[Any] | None = [None] * s.world.size if s.world.rank == 0 else None
-    dist.gather_object(s.rng_state, states, dst=0)
-    box: list[Any] = [None]
-    if s.world.rank == 0:
-        try:
-            info = sessions.save(config, store, s, cache.committer, metrics, generation, rng_states=states).wait()
-            box = [(info, dict(metrics), None)]
-        except Exception as exc:
-            box = [(None, None, exc)]
-    dist.broadcast_object_list(box, src=0)  # every rank learns what was committed, or rank 0's error
-    info, committed_metrics, error = box[0]
-    if error is not None:
-        raise error
-    metrics.update(committed_metrics)
-    return PendingCommit.of(info)
 
 
 # -- train ----------------------------------------------------------------------------------------

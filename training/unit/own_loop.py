@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from checkpointing import CheckpointInfo, CheckpointStore, CorruptCheckpointError, Writer, ranks
-from checkpointing import commit as commits
+from checkpointing import CheckpointInfo, CheckpointStore, CorruptCheckpointError, ranks
 from checkpointing.commit import Committer, PendingCommit
 from checkpointing.store import STATE_FILE
 from training import preemption
@@ -53,10 +51,10 @@ from training.recipe.loader import load_recipe
 from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint, read_weights
 from training.unit import rng
+from training.unit.checkpointer import Checkpointer
 from training.unit.loop import InjectedFault, UnitResult
 from training.unit.reported_state import ReportError, check_loadable, check_metrics
-from training.unit.session import SINGLE_PROCESS, World, checkpoint_metadata, open_store, pick_device, retention
-from training.unit.session import use_async_upload as async_upload
+from training.unit.session import SINGLE_PROCESS, World, open_store, pick_device
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
@@ -81,7 +79,8 @@ class LoopContext(RunContext):
         super().__init__(**{name: getattr(base, name) for name in RunContext.__dataclass_fields__})
         self.attempt = attempt
         self._config, self._store, self._committer, self._world = config, store, committer, world
-        self._generation, self._on_report = generation, on_report
+        self._checkpointer = Checkpointer(config, store, committer, generation=generation, world=world)
+        self._on_report = on_report
         committer.wait_quietly()  # a previous attempt's upload: let it land (or fail) before reading the store
         self._at: CheckpointInfo | None = ranks.on_rank0(store.latest)
         self._progress = self._recorded(self._at)  # the newest report's counters (committed or metrics-only)
@@ -136,10 +135,9 @@ class LoopContext(RunContext):
         seconds: float | None = None
         if state is not None:
             ranks.on_rank0(lambda: check_loadable(state))  # rank 0's state is the one committed
-            t0 = time.perf_counter()
-            pending = self._commit(values, state, progress)
-            seconds = values["checkpoint_seconds"] = time.perf_counter() - t0
-            self._last, self._committed = pending, dict(progress)
+            saved = self._checkpointer.save_report(state, progress, values, self._report_index + 1)
+            seconds = values["checkpoint_seconds"] = saved.seconds
+            self._last, self._committed = saved.pending, dict(progress)
         self._progress, self._last_metrics, self._num_reports = progress, values, self._num_reports + 1
         self._log_report(values, progress, state is not None)
         self._tell_flow(self.result(steps=progress["step"] - previous_step))
@@ -264,28 +262,6 @@ class LoopContext(RunContext):
                 "step %d): the run was already complete; loop while not ctx.should_stop", progress["epoch"],
                 progress["step"], progress["samples_seen"], self.max_duration, *map(self._progress.get, COUNTERS[:2]),
             )  # fmt: skip
-
-    def _commit(self, metrics: dict[str, float], state: Mapping[str, Any], progress: dict[str, int]) -> PendingCommit:
-        """Rank 0 commits its state; every rank gets the result (or rank 0's error)."""
-        config, store = self._config, self._store
-        index = self._report_index + 1
-        full = {**progress, "global_batch_size": config.global_batch_size}
-        metadata = {**checkpoint_metadata(config, None, metrics), "world_size": self._world.size,
-                    "train_loop": True, "report": index}  # fmt: skip
-
-        def commit() -> PendingCommit:
-            request = commits.request(
-                store, full, {STATE_FILE: {"state": dict(state), "progress": full}}, metadata=metadata,
-                writer=Writer.current(self._generation), retention=retention(config),
-                background=async_upload(config, store) and self._world.size == 1,
-                network_weights=config.save_network_weights,
-            )  # fmt: skip
-            return self._committer.send(request)
-
-        if self._world.size == 1:
-            return commit()
-        info = ranks.on_rank0(lambda: commit().wait())
-        return PendingCommit.of(info)
 
     def _log_report(self, values: dict[str, float], progress: dict[str, int], committed: bool) -> None:
         if self._world.rank != 0:

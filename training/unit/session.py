@@ -1,4 +1,4 @@
-"""A run's live objects: built, restored from the store, and saved back.
+"""A run's live objects: built and restored from the store (``training.unit.checkpointer`` saves them back).
 
 Restore order (Composer's autoresume, made safe): the run's newest good checkpoint, else ``load_path``
 (optionally weights only), else a fresh seeded initialization. What outlives one unit in a process (the
@@ -8,15 +8,12 @@ warm session and the background committer) is kept by ``training.unit.warm.Sessi
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from checkpointing import CheckpointStore, LoadedCheckpoint, Writer
-from checkpointing import commit as commits
-from checkpointing.commit import Committer, PendingCommit, Retention
+from checkpointing import CheckpointStore, LoadedCheckpoint
 from checkpointing.io.storage import RetrySettings
 from checkpointing.store import STATE_FILE
 from training.config import ConfigError, TrainConfig
@@ -25,7 +22,7 @@ from training.recipe.context import RunContext
 from training.recipe.hooks import Hooks
 from training.recipe.loader import Recipe, load_recipe, open_dataset
 from training.start import carry_over
-from training.start.identity import check_same_run, run_identity
+from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint
 from training.start.warm_start import load_start, load_weights
 from training.unit import rng
@@ -91,10 +88,6 @@ class Session:
 def store_retry(config: TrainConfig) -> RetrySettings:
     """The run's object-store retry policy (every store call of the run, release.json included)."""
     return RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
-
-
-def retention(config: TrainConfig) -> Retention:
-    return Retention(config.num_checkpoints_to_keep, config.checkpoint_score_attribute, config.checkpoint_score_order)
 
 
 def open_store(config: TrainConfig) -> CheckpointStore:
@@ -322,80 +315,3 @@ def reposition(config: TrainConfig, session: Session) -> None:
             config.data_skip_steps, p.epoch, target, config.data_skip_steps, new, p.sample_in_epoch,
         )  # fmt: skip
         p.sample_in_epoch = target
-
-
-# -- save -----------------------------------------------------------------------------------------
-def save(
-    config: TrainConfig,
-    store: CheckpointStore,
-    s: Session,
-    committer: Committer,
-    metrics: dict[str, float],
-    generation: int,
-    rng_states: list[dict[str, Any]] | None = None,
-) -> PendingCommit:
-    """Commits the session: streamed into the store now, or, with async upload, serialized (the only stall)
-    and uploaded in the background while the next unit trains.
-
-    ``rng_states`` holds every rank's RNG state (gathered by rank 0) when several processes train."""
-    s.rng_state = rng.capture()
-    t0 = time.perf_counter()
-    objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
-    objects.update({rng_file(r): st for r, st in enumerate(rng_states or [s.rng_state])})
-    request = commits.request(
-        store,
-        s.progress.as_dict(),
-        objects,
-        metadata=checkpoint_metadata(config, s, metrics),
-        writer=Writer.current(generation),
-        retention=retention(config),
-        background=use_async_upload(config, store) and s.world.size == 1,
-        network_weights=config.save_network_weights,
-    )
-    pending = committer.send(request)
-    metrics["checkpoint_seconds"] = time.perf_counter() - t0  # the stall training sees
-    return pending
-
-
-def save_sharded(
-    config: TrainConfig, store: CheckpointStore, s: Session, metrics: dict[str, float], generation: int
-) -> PendingCommit:
-    """parallelism='fsdp': every rank writes its shards and its RNG state; rank 0 commits after all
-    reported (manifest, then ``latest``), then applies retention."""
-    from training.unit import fsdp
-
-    t0 = time.perf_counter()
-    pending = fsdp.save_sharded(
-        store,
-        s.model,
-        s.optimizer,
-        {**s.state.state_dict(SMALL), "progress": s.progress.as_dict()},
-        rank_extra=rng.capture(),
-        progress=s.progress.as_dict(),
-        metadata=checkpoint_metadata(config, s, metrics),
-        writer=Writer.current(generation),
-        retention=retention(config),
-    )
-    metrics["checkpoint_seconds"] = time.perf_counter() - t0
-    return pending
-
-
-def checkpoint_metadata(config: TrainConfig, s: Session | None, metrics: dict[str, float]) -> dict[str, Any]:
-    """What a checkpoint's manifest says of the run (``check_same_run`` reads it) besides the progress."""
-    return {
-        "config": run_identity(config),
-        "config_fingerprint": config.fingerprint(),
-        "recipe": run_identity(config)["recipe"],
-        "global_batch_size": config.global_batch_size,
-        "world_size": s.world.size if s is not None else 1,
-        "seed": config.seed,
-        "data_skip_applied": s.data_skip_applied if s is not None else None,
-        "metrics": {k: float(v) for k, v in metrics.items()},
-    }
-
-
-def use_async_upload(config: TrainConfig, store: CheckpointStore) -> bool:
-    """Async upload overlaps the next unit's training; it needs the next unit in this same process."""
-    if config.async_upload is not None:
-        return config.async_upload
-    return not (store.storage.is_local or store.storage.protocol == "memory")
