@@ -81,6 +81,16 @@ def _fresh_process_state():
 
 
 @pytest.fixture
+def train_run():
+    """``train_run(config)``: the run driven to its end through training.run.Run as the train flow drives it, without
+    Prefect (no server, task runs or retries), returning the flow's TrainResult (tests/lifecycle.py). For tests of
+    what a run does; a test of what Prefect adds (retries, states, artifacts, parameters) calls the flow."""
+    from tests.lifecycle import train_to_end
+
+    return train_to_end
+
+
+@pytest.fixture
 def make_config(tmp_path):
     """TrainConfig for the small synthetic recipe, in a fresh local save folder."""
     from training.config import TrainConfig
