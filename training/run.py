@@ -324,9 +324,9 @@ def execute_unit(config: TrainConfig, *, unit: int, start_checkpoint: str | None
     distributed = config.nproc_per_node > 1 or config.nnodes > 1 or config.parallelism == "fsdp"
     own = uses_own_loop(config)
     if distributed:
-        from training.distributed.gang import run_on_gang
+        from training.distributed.gang import Op, run_on_gang
 
-        command = {"op": "loop" if own else "unit", "unit": unit, "start_checkpoint": start_checkpoint,
+        command = {"op": Op.LOOP if own else Op.UNIT, "unit": unit, "start_checkpoint": start_checkpoint,
                    "attempt": attempt}  # fmt: skip
         result = run_on_gang(config, command, generation, on_report if own else None, launch_nodes)
     elif own:

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,15 @@ START_TIMEOUT = 300.0  # seconds for torchrun's ranks to start and rank 0 to cal
 MAX_MESSAGE = 64 * 1024 * 1024  # a result or report line; anything longer is not rank 0's
 NODE_CHECK_EVERY = 2.0  # seconds between looks at the other nodes' runs (nnodes > 1)
 NODE_EXIT_GRACE = 30.0  # seconds for the other nodes to end by themselves after a clean exit, before they are stopped
+
+
+class Op(StrEnum):
+    """What the parent tells the ranks: a command's ``op`` (one JSON line; rank 0 passes it to the other ranks)."""
+
+    UNIT = "unit"  # train one unit (training.unit.loop.run_unit)
+    LOOP = "loop"  # run the recipe's own loop (training.unit.own_loop)
+    STOP = "stop"  # a stop request: the ranks agree on it at their next step boundary (training/preemption.py)
+    EXIT = "exit"  # leave: the gang is closing
 
 
 class Gang:
@@ -195,7 +205,7 @@ class Gang:
         stop = preemption.STOP.current
         if stop is not None and not self._stop_sent:
             self._stop_sent = True
-            self._send({"op": "stop", "kind": stop.kind, "reason": stop.reason})
+            self._send({"op": Op.STOP, "kind": stop.kind, "reason": stop.reason})
 
     def _send(self, message: dict[str, Any]) -> None:
         if self._conn is None:
@@ -233,14 +243,14 @@ class Gang:
 
     def close(self) -> None:
         """Asks the ranks to leave, then makes sure nothing of the gang is left running."""
-        if self._conn is not None:
+        conn, self._conn = self._conn, None  # taken once: a second thread closing the gang finds it gone
+        if conn is not None:
             try:
-                self._conn.sendall(b'{"op": "exit"}\n')
+                conn.sendall(json.dumps({"op": Op.EXIT}).encode() + b"\n")
                 self.proc.wait(timeout=20)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-            self._conn.close()
-            self._conn = None
+            conn.close()
         kill_group(self.proc.pid)  # ranks torchrun could not stop, or any left after a failure
         self.proc.wait()
         self._listener.close()

@@ -29,7 +29,7 @@ from typing import Any
 from training import preemption
 from training.config import TrainConfig
 from training.distributed.errors import error_record
-from training.distributed.gang import ADDRESS_ENV, MAX_MESSAGE, TOKEN_ENV
+from training.distributed.gang import ADDRESS_ENV, MAX_MESSAGE, TOKEN_ENV, Op
 from training.distributed.launcher import FOLDER_ENV
 from training.distributed.processes import die_with_parent_now
 from training.unit.session import World
@@ -55,11 +55,11 @@ class ParentChannel:
                 if len(line) > MAX_MESSAGE:
                     break
                 message = json.loads(line)
-                if message.get("op") == "stop":  # acted on by the training thread at its next step boundary
+                if message.get("op") == Op.STOP:  # acted on by the training thread at its next step boundary
                     preemption.STOP.request(str(message.get("kind", "signal")), str(message.get("reason", "")))
                 else:
                     self.commands.put(message)
-        self.commands.put({"op": "exit", "why": "the unit's process closed the connection"})
+        self.commands.put({"op": Op.EXIT, "why": "the unit's process closed the connection"})
 
     def send(self, message: dict[str, Any]) -> None:
         with self._lock:
@@ -79,11 +79,11 @@ def serve(world: World, channel: ParentChannel | None) -> None:
         box: list[Any] = [channel.commands.get() if channel is not None else None]
         dist.broadcast_object_list(box, src=0)
         command = box[0]
-        if command.get("op") == "exit":
+        if command.get("op") == Op.EXIT:
             return
         config = TrainConfig(**command["config"])
         args = {"attempt": int(command.get("attempt", 1)), "generation": int(command["generation"])}
-        if command["op"] == "loop":
+        if command["op"] == Op.LOOP:
             on_report = (lambda r: channel.send({"report": r.model_dump()})) if channel is not None else None
             result = run_custom_loop(config, world=world, cache=cache, on_report=on_report, **args)
         else:
