@@ -44,7 +44,7 @@ from tests.integration.stack_client import (
 )
 from tests.procs import alive
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(900)]
 PACED = "tests.recipes_for_tests:PacedRecipe"
 STEPS = 16
 

@@ -47,7 +47,7 @@ from tests.integration.stack_client import (
     wait_for_state,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(900)]
 
 
 # -- tests ----------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from tests.integration.test_deployments import (  # noqa: F401 - collected here,
 )
 from tests.procs import environ
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(900)]
 
 STACK_DATABASE = "postgres"  # tests/integration/conftest.py: this module's stack runs on PostgreSQL
 

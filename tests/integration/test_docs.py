@@ -38,7 +38,7 @@ from flows.server import free_port
 from tests.docs_blocks import ROOT, Block, blocks, doc_pages
 from tests.procs import alive
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(1800)]
 
 BLOCK_TIMEOUT = 600  # seconds: the longest block (make demo on a loaded 2-core machine) takes about a minute
 READY_TIMEOUT = 300  # seconds a background block may take to print that it is ready

@@ -33,7 +33,7 @@ from training.config import TrainConfig
 from training.distributed.gang import DistributedUnitError, run_on_gang
 from training.distributed.nodes import NodeOffer, Rendezvous, config_digest, make_offers, sign_offer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 NODE = "rank-node/default"
 
 

@@ -26,7 +26,7 @@ from flows.train import train
 from tests.conftest import ROOT
 from tests.integration.test_deployments import client, start_run, wait_for, wait_for_state
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(900)]
 
 WORKER_AWS = {"AWS_ACCESS_KEY_ID": "AKIAWORKERSOWNKEY", "AWS_SECRET_ACCESS_KEY": "worker-secret", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
 BASE = {"recipe": "synthetic", "recipe_args": {"num_samples": 64}, "global_batch_size": 32, "max_duration": "1ep",

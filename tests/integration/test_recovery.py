@@ -30,6 +30,8 @@ from deployments.recovery import Windows
 from tests.integration.stack_client import pause_config, start_run, state_names, wait_for, wait_for_state
 from tests.integration.test_deployment_preemption import model_of
 
+# Every test here talks to a real Prefect server (the session's, or the last test's own stack on PostgreSQL).
+pytestmark = pytest.mark.slow
 STACK_DATABASE = "postgres"  # the end-to-end test's stack (tests/integration/conftest.py); the others use none
 
 BEGINNING = datetime(2000, 1, 1, tzinfo=UTC)  # a sweeper that has watched for ever: silence counts from the beat
@@ -191,7 +193,7 @@ def uninterrupted(prefect_stack, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.slow
+@pytest.mark.system  # its own stack: server, worker, deployments, PostgreSQL
 @pytest.mark.timeout(900)
 # "server" (the Prefect server SIGKILLed instead) passed too, by hand (181 s); it takes the same path through the
 # sweep, and ~3 more minutes of a suite that must stay under 15: add it here to run it.

@@ -22,7 +22,7 @@ from flows.server import free_port
 from tests.conftest import ROOT
 from tests.integration.conftest import processes_mentioning, require_postgres
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(300)]
 
 
 @pytest.fixture

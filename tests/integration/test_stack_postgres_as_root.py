@@ -29,6 +29,7 @@ from tests.procs import cmdline, environ
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.system,
     pytest.mark.timeout(300),
     pytest.mark.skipif(os.geteuid() != 0, reason="the stack's root-only paths: run as root"),
 ]

@@ -38,7 +38,7 @@ from tests.integration.test_deployments import (
     wait_for_state,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.system, pytest.mark.timeout(600)]
 
 WHATS = ["progress", "metrics", "curves", "checkpoints", "summary"]
 DOCS = ROOT / "docs"
