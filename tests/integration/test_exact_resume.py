@@ -1,4 +1,5 @@
-"""Exact resume through the real flow: sample-exact across batch-size changes, data-skip options, workers."""
+"""Exact resume through the run's lifecycle (``train_run``): sample-exact across batch-size changes and data-skip
+options; and through the real flow, whose retry resumes mid-epoch with loader workers bit-identically."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from flows.train import train
 from tests.conftest import RECORDING
 from training.position.sampler import epoch_order
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
 N = 240  # samples in the synthetic dataset
 
 
@@ -19,7 +19,7 @@ def recorded_ids(folder) -> list[int]:
     return [int(i) for line in lines for i in line.split()]
 
 
-def test_resizing_the_global_batch_mid_epoch_repeats_and_drops_no_sample(make_config, tmp_path):
+def test_resizing_the_global_batch_mid_epoch_repeats_and_drops_no_sample(make_config, tmp_path, train_run):
     record = tmp_path / "ids"
     args = {"num_samples": N, "record_dir": str(record)}
     # 32 x 5 = 160 samples, stop mid-epoch. 48: resumes at step 160 // 48 = 3; steps 4-7 take 48, 32 (the
@@ -27,7 +27,7 @@ def test_resizing_the_global_batch_mid_epoch_repeats_and_drops_no_sample(make_co
     # left in epoch 1 (7 batches + a short one of 4) and 12 batches in epoch 2 -> step 36, 720 samples.
     plan = [(32, "5ba"), (48, "7ba"), (20, "3ep")]
     results = [
-        train(
+        train_run(
             make_config(
                 global_batch_size=gbs, max_duration=dur, save_interval="2ba", recipe_args=args, recipe=RECORDING
             )
@@ -43,14 +43,14 @@ def test_resizing_the_global_batch_mid_epoch_repeats_and_drops_no_sample(make_co
         assert seen[epoch * N : (epoch + 1) * N] == epoch_order(N, 7, epoch).tolist()
 
 
-def test_ignore_data_skip_restarts_the_epoch_once(make_config, tmp_path):
+def test_ignore_data_skip_restarts_the_epoch_once(make_config, tmp_path, train_run):
     record = tmp_path / "ids"
     args = {"num_samples": N, "record_dir": str(record)}
-    train(
+    train_run(
         make_config(max_duration="5ba", save_interval="5ba", recipe_args=args, recipe=RECORDING)
     )  # stops at sample 160
     (record / "ids-rank0.txt").unlink()
-    train(
+    train_run(
         make_config(max_duration="1ep", save_interval="2ba", ignore_data_skip=True, recipe_args=args, recipe=RECORDING)
     )
 
@@ -58,12 +58,12 @@ def test_ignore_data_skip_restarts_the_epoch_once(make_config, tmp_path):
     assert recorded_ids(record) == epoch_order(N, 7, 0).tolist()
 
 
-def test_data_skip_steps_skips_batches_of_the_new_size_from_the_epoch_start(make_config, tmp_path):
+def test_data_skip_steps_skips_batches_of_the_new_size_from_the_epoch_start(make_config, tmp_path, train_run):
     record = tmp_path / "ids"
     args = {"num_samples": N, "record_dir": str(record)}
-    train(make_config(max_duration="5ba", save_interval="5ba", recipe_args=args, recipe=RECORDING))
+    train_run(make_config(max_duration="5ba", save_interval="5ba", recipe_args=args, recipe=RECORDING))
     (record / "ids-rank0.txt").unlink()
-    train(
+    train_run(
         make_config(
             global_batch_size=48,
             max_duration="1ep",
@@ -77,6 +77,8 @@ def test_data_skip_steps_skips_batches_of_the_new_size_from_the_epoch_start(make
     assert recorded_ids(record) == epoch_order(N, 7, 0).tolist()[2 * 48 :]
 
 
+@pytest.mark.slow  # a Prefect test server, and loader worker processes for every epoch of two runs
+@pytest.mark.usefixtures("prefect_harness")
 def test_mid_epoch_resume_with_loader_workers_is_bit_identical(make_config):
     common = dict(max_duration="2ep", save_interval="3ba", num_workers=2, recipe_args={"num_samples": N})
     clean = train(make_config(run_name="clean", **common))

@@ -134,6 +134,7 @@ def test_lightning_checkpoint_carries_weights_moments_and_progress_then_trains_o
     assert [u.checkpoint_name for u in run.units] == ["ep3-ba16-sa768"]
 
 
+@pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier
 # -- through the flow: Composer's upload layout on S3 -----------------------------------------------------------------
 @pytest.mark.usefixtures("prefect_harness")
 def test_the_train_flow_continues_composers_latest_symlink_on_s3(make_config, s3):

@@ -1,9 +1,10 @@
 """Damage, drift and repeated launches are noticed, named, and never turned into a quietly wrong model.
 
-Each test reproduces a report of the "never silently wrong" issues against the real flow (Prefect test
-server, real files): a flipped bit in a manifest, a same-size corruption of the final checkpoint, a relaunch
-with another model, data-skip options at every restart, a max_duration below what was trained, a commit
-that does not land.
+Each test reproduces a report of the "never silently wrong" issues with real files, through the run's lifecycle
+(``train_run``: training.run.Run, as the train flow drives it): a flipped bit in a manifest, a same-size corruption
+of the final checkpoint, a relaunch with another model, data-skip options at every restart, a max_duration below
+what was trained; and through the real flow (Prefect test server), where its retries and its flow-run labels are
+part of the report: a commit that does not land, a fenced writer told who displaced it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from training.position.sampler import epoch_order
 from training.run import MAX_REPEATS, RepeatGuard
 from training.unit.loop import UnitResult
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
-
 
 def weights(config, name: str | None = None) -> dict[str, torch.Tensor]:
     store = CheckpointStore(config.save_folder, config.run_name, storage_options=config.storage_options)
@@ -48,11 +47,11 @@ def flip_byte(path, offset: int | None = None) -> None:
 
 
 def test_one_flipped_bit_in_a_manifests_progress_falls_back_instead_of_resuming_from_the_wrong_sample(
-    make_config, caplog
+    make_config, caplog, train_run
 ):
-    clean = train(make_config(run_name="clean"))
+    clean = train_run(make_config(run_name="clean"))
     config = make_config(run_name="flipped", max_duration="2ep")
-    first = train(config)
+    first = train_run(config)
     path = Path(config.save_folder, "flipped", "checkpoints", first.checkpoint_name, "manifest.json")
     text = path.read_text()
     offset = text.index('"samples_seen": 512') + len('"samples_seen": 51')  # '2' (0x32) -> '3' (0x33)
@@ -60,7 +59,7 @@ def test_one_flipped_bit_in_a_manifests_progress_falls_back_instead_of_resuming_
     assert '"samples_seen": 513' in path.read_text()
 
     with caplog.at_level(logging.WARNING):
-        result = train(make_config(run_name="flipped", max_duration="3ep"))
+        result = train_run(make_config(run_name="flipped", max_duration="3ep"))
 
     assert "does not match its own checksum" in caplog.text
     assert result.units[0].resumed_from == "checkpoint ep1-ba8-sa256"  # fell back past the damaged one
@@ -69,9 +68,9 @@ def test_one_flipped_bit_in_a_manifests_progress_falls_back_instead_of_resuming_
     assert clean.metrics == result.metrics
 
 
-def test_a_manifest_whose_progress_disagrees_with_the_state_file_is_not_trusted(make_config):
+def test_a_manifest_whose_progress_disagrees_with_the_state_file_is_not_trusted(make_config, train_run):
     config = make_config(max_duration="2ep")
-    train(config)
+    train_run(config)
     store = CheckpointStore(config.save_folder, "r")
     newest = store.latest()
     forged = Manifest(name=newest.name, files=newest.manifest.files, metadata=newest.manifest.metadata,
@@ -84,16 +83,18 @@ def test_a_manifest_whose_progress_disagrees_with_the_state_file_is_not_trusted(
 
 
 @pytest.mark.parametrize("damage", ["same-size corruption of state.pt", "flipped byte in rng-rank0.pt"])
-def test_a_relaunch_of_a_complete_run_verifies_what_it_returns_and_retrains_what_was_lost(make_config, damage, caplog):
+def test_a_relaunch_of_a_complete_run_verifies_what_it_returns_and_retrains_what_was_lost(
+    make_config, damage, caplog, train_run
+):
     config = make_config()
-    done = train(config)
+    done = train_run(config)
     reference = weights(config)
     store = CheckpointStore(config.save_folder, "r")
     folder = Path(config.save_folder, "r", "checkpoints", done.checkpoint_name)
     flip_byte(folder / ("state.pt" if "state" in damage else "rng-rank0.pt"))
 
     with caplog.at_level(logging.WARNING):
-        again = train(config)
+        again = train_run(config)
 
     assert f"the final checkpoint {done.checkpoint_name} failed verification" in caplog.text
     assert [u.unit for u in again.units] == [2] and again.units[0].resumed_from == "checkpoint ep2-ba16-sa512"
@@ -102,13 +103,13 @@ def test_a_relaunch_of_a_complete_run_verifies_what_it_returns_and_retrains_what
     assert again.metrics == done.metrics
 
 
-def test_relaunching_with_another_model_is_one_clear_error_before_anything_runs(make_config, tmp_path):
-    train(make_config(max_duration="1ep", recipe_args={"num_samples": 256, "hidden": 8}))
+def test_relaunching_with_another_model_is_one_clear_error_before_anything_runs(make_config, tmp_path, train_run):
+    train_run(make_config(max_duration="1ep", recipe_args={"num_samples": 256, "hidden": 8}))
     store = CheckpointStore(make_config().save_folder, "r")
     claims_before = store.fence.newest()
 
     with pytest.raises(ConfigError) as info:
-        train(make_config(max_duration="2ep", recipe_args={"num_samples": 256, "hidden": 16}))
+        train_run(make_config(max_duration="2ep", recipe_args={"num_samples": 256, "hidden": 16}))
 
     message = str(info.value)
     assert message.startswith("run_name='r' was trained with another configuration than this launch")
@@ -116,23 +117,23 @@ def test_relaunching_with_another_model_is_one_clear_error_before_anything_runs(
     assert "choose a new run_name" in message and "load_weights_only=true" in message
     assert store.fence.newest() == claims_before  # refused before claiming the run: nothing written
     # Legitimate changes are allowed: batch size, duration, retention.
-    again = train(make_config(max_duration="2ep", global_batch_size=64, num_checkpoints_to_keep=5,
+    again = train_run(make_config(max_duration="2ep", global_batch_size=64, num_checkpoints_to_keep=5,
                               recipe_args={"num_samples": 256, "hidden": 8}))  # fmt: skip
     assert again.epoch == 2
 
 
-def test_data_skip_options_are_applied_once_per_run_not_at_every_restart(make_config, tmp_path):
+def test_data_skip_options_are_applied_once_per_run_not_at_every_restart(make_config, tmp_path, train_run):
     record = tmp_path / "ids"
     args = {"num_samples": 240, "record_dir": str(record)}
 
     def launch(duration: str):
-        train(make_config(recipe=RECORDING, recipe_args=args, max_duration=duration, save_interval="2ba",
+        train_run(make_config(recipe=RECORDING, recipe_args=args, max_duration=duration, save_interval="2ba",
                           ignore_data_skip=True))  # fmt: skip
         ids = [int(i) for line in (record / "ids-rank0.txt").read_text().split("\n") for i in line.split()]
         (record / "ids-rank0.txt").unlink()
         return ids
 
-    train(make_config(recipe=RECORDING, recipe_args=args, max_duration="5ba", save_interval="5ba"))  # to sample 160
+    train_run(make_config(recipe=RECORDING, recipe_args=args, max_duration="5ba", save_interval="5ba"))  # to sample 160
     (record / "ids-rank0.txt").unlink()
     order = epoch_order(240, 7, 0).tolist()
 
@@ -141,9 +142,11 @@ def test_data_skip_options_are_applied_once_per_run_not_at_every_restart(make_co
     assert launch("11ba") == order[128:192]
 
 
-def test_a_max_duration_below_what_was_trained_says_so_and_names_the_checkpoint_that_matches(make_config, capsys):
-    train(make_config())  # 3 epochs
-    result = train(make_config(max_duration="2ep"))
+def test_a_max_duration_below_what_was_trained_says_so_and_names_the_checkpoint_that_matches(
+    make_config, capsys, train_run
+):
+    train_run(make_config())  # 3 epochs
+    result = train_run(make_config(max_duration="2ep"))
 
     assert result.units == [] and result.epoch == 3  # nothing trained, nothing thrown away
     assert len(result.warnings) == 1
@@ -152,6 +155,8 @@ def test_a_max_duration_below_what_was_trained_says_so_and_names_the_checkpoint_
     assert "The checkpoint at 2ep is ep2-ba16-sa512; to go back to it: resume_from=ep2-ba16-sa512" in result.warnings[0]
 
 
+@pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier
+@pytest.mark.usefixtures("prefect_harness")
 def test_a_commit_that_does_not_land_fails_the_unit_loudly_and_latest_stays(s3, moto_server, make_config):
     folder, _ = s3
     with FaultProxy(moto_server) as proxy:
@@ -188,6 +193,8 @@ def test_a_flow_whose_units_keep_ending_at_the_same_place_stops_instead_of_retra
         RepeatGuard(Progress()).check(_result(0, 0, steps=0))
 
 
+@pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier
+@pytest.mark.usefixtures("prefect_harness")  # the claim is labelled by the flow run that made it
 def test_a_fenced_writer_is_told_who_displaced_it(make_config, caplog):
     config = make_config(max_duration="1ep")
     train(config)

@@ -1,5 +1,6 @@
 """A loop of the user's own through the real flow: a failure inside it is retried by Prefect and resumes from the
-last report, ending with the weights of an uninterrupted run; a complete run relaunched returns at once."""
+last report, ending with the weights of an uninterrupted run; and through the run's lifecycle (``train_run``): a
+complete run relaunched returns at once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from prefect.client.schemas.sorting import ArtifactSort
 from checkpointing import CheckpointStore
 from flows.train import train
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
 FLAKY = "tests.own_loop_recipes:FlakyOwnLoopRecipe"
 NAMES = ["ep0-ba4-sa128", "ep1-ba8-sa256", "ep1-ba12-sa384", "ep2-ba16-sa512", "ep2-ba20-sa640", "ep3-ba24-sa768"]
 
@@ -44,6 +44,8 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
 
 
+@pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier
+@pytest.mark.usefixtures("prefect_harness")
 def test_a_failure_inside_train_loop_is_retried_from_the_last_report_and_matches_an_uninterrupted_run(make_config):
     # 256 samples, batches of 32: 8 steps an epoch; reports at steps 4, 8 (epoch end), 12, ... 24 (3ep).
     args = {"num_samples": 256, "report_every": 4}
@@ -63,10 +65,10 @@ def test_a_failure_inside_train_loop_is_retried_from_the_last_report_and_matches
     assert [(r["step"], r["checkpoint"]) for r in rows] == [(s, n) for s, n in zip(range(4, 25, 4), NAMES, strict=True)]
 
 
-def test_relaunching_a_complete_own_loop_run_trains_nothing_and_returns_the_same_result(make_config):
+def test_relaunching_a_complete_own_loop_run_trains_nothing_and_returns_the_same_result(make_config, train_run):
     config = make_config(recipe="own_loop", recipe_args={"num_samples": 64}, max_duration="2ep")
-    first = train(config)
-    again = train(config)
+    first = train_run(config)
+    again = train_run(config)
 
     assert first.units[0].complete and again.units == []
     assert again.started_from == f"checkpoint {first.checkpoint_name}"

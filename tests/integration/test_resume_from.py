@@ -1,4 +1,5 @@
-"""Roll-backs, load_path on a run that has checkpoints, and best checkpoints, through the train flow."""
+"""Roll-backs (through the train flow, whose logs say what was set aside), a bad resume_from, load_path on a run
+that has checkpoints, and best checkpoints (through the run's lifecycle, ``train_run``)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from checkpointing import CheckpointStore
 from flows.train import train
 from training.config import ConfigError
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
-
 
 def files_under(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
 
 
+@pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier
+@pytest.mark.usefixtures("prefect_harness")
 def test_resume_from_rolls_back_once_and_keeps_the_later_checkpoints_as_a_record(make_config, tmp_path, caplog):
     first = train(make_config(max_duration="4ep"))
     names = [u.checkpoint_name for u in first.units]
@@ -52,26 +53,26 @@ def test_resume_from_rolls_back_once_and_keeps_the_later_checkpoints_as_a_record
     assert back.checkpoint_name in [i.name for i in store.candidates()]
 
 
-def test_resume_from_a_name_the_run_does_not_have_fails_and_writes_nothing(make_config, tmp_path):
+def test_resume_from_a_name_the_run_does_not_have_fails_and_writes_nothing(make_config, tmp_path, train_run):
     run = tmp_path / "runs" / "r"
     with pytest.raises(ConfigError, match=r"^resume_from='ep1-ba8-sa256': run 'r' in .* has no checkpoint"):
-        train(make_config(resume_from="ep1-ba8-sa256"))
+        train_run(make_config(resume_from="ep1-ba8-sa256"))
     assert not run.exists()
 
-    train(make_config(max_duration="1ep"))
+    train_run(make_config(max_duration="1ep"))
     before = files_under(run)
     with pytest.raises(ConfigError, match=r"^resume_from='ep9': run 'r' in .* \(its newest: ep1-ba8-sa256;"):
-        train(make_config(max_duration="2ep", resume_from="ep9"))
+        train_run(make_config(max_duration="2ep", resume_from="ep9"))
     assert files_under(run) == before  # no new claims/ file, no roll-back record, latest untouched
 
 
-def test_load_path_on_a_run_that_has_checkpoints_is_ignored_with_a_warning(make_config):
-    source = train(make_config(run_name="source", max_duration="1ep"))
+def test_load_path_on_a_run_that_has_checkpoints_is_ignored_with_a_warning(make_config, train_run):
+    source = train_run(make_config(run_name="source", max_duration="1ep"))
     tuned = dict(run_name="tuned", load_path=source.checkpoint, load_weights_only=True)
-    first = train(make_config(max_duration="1ep", **tuned))
+    first = train_run(make_config(max_duration="1ep", **tuned))
     assert first.warnings == []
 
-    again = train(make_config(max_duration="2ep", **tuned))
+    again = train_run(make_config(max_duration="2ep", **tuned))
 
     assert again.units[0].resumed_from.startswith(f"checkpoint {first.checkpoint_name}")  # not load_path
     assert again.warnings == [
@@ -82,14 +83,14 @@ def test_load_path_on_a_run_that_has_checkpoints_is_ignored_with_a_warning(make_
     ]
 
 
-def test_best_checkpoints_are_ordered_by_the_score_attribute(make_config):
-    lowest = train(make_config(checkpoint_score_attribute="train_loss", checkpoint_score_order="min"))
+def test_best_checkpoints_are_ordered_by_the_score_attribute(make_config, train_run):
+    lowest = train_run(make_config(checkpoint_score_attribute="train_loss", checkpoint_score_order="min"))
 
     by_loss = sorted(lowest.units, key=lambda u: u.metrics["train_loss"])
     assert lowest.best_checkpoint_names == [u.checkpoint_name for u in by_loss]
     assert lowest.best_checkpoints == [u.checkpoint for u in by_loss]
-    highest = train(
+    highest = train_run(
         make_config(checkpoint_score_attribute="train_loss", checkpoint_score_order="max")
     )  # trains nothing
     assert highest.units == [] and highest.best_checkpoint_names == lowest.best_checkpoint_names[::-1]
-    assert train(make_config()).best_checkpoints == []
+    assert train_run(make_config()).best_checkpoints == []

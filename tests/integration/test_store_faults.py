@@ -199,9 +199,8 @@ def test_twenty_percent_transient_faults_are_absorbed_and_every_checkpoint_verif
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("prefect_harness")
 def test_a_full_training_run_completes_through_twenty_percent_faults(
-    s3, moto_server, no_library_retries, make_config, caplog
+    s3, moto_server, no_library_retries, make_config, caplog, train_run
 ):
     folder, _ = s3
     with FaultProxy(moto_server, fault_rate=0.2, seed=2) as proxy, caplog.at_level(logging.WARNING, logger=RETRY_LOG):
@@ -212,7 +211,7 @@ def test_a_full_training_run_completes_through_twenty_percent_faults(
             store_retry_attempts=12,
             unit_retries=0,
         )  # no Prefect retry to help
-        result = train(config)
+        result = train_run(config)
         assert (result.epoch, result.samples_seen) == (4, 4 * 256)
         store = CheckpointStore(folder, "r", storage_options=through(proxy, **no_library_retries), retry=FAST_RETRY)
         assert [i.name for i in store.list()] == [u.checkpoint_name for u in result.units]
@@ -254,8 +253,9 @@ def test_credentials_are_never_stored_or_logged(s3, moto_server, make_config, ca
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("prefect_harness")
-def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(s3, moto_server, make_config, tmp_path):
+def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(
+    s3, moto_server, make_config, tmp_path, train_run
+):
     folder, _ = s3
     record = tmp_path / "ids"
     with FaultProxy(moto_server) as proxy:
@@ -269,7 +269,7 @@ def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(s
             recipe=RECORDING,
         )
         outcome: dict = {}
-        runner = threading.Thread(target=lambda: outcome.update(result=train(config)))
+        runner = threading.Thread(target=lambda: outcome.update(result=train_run(config)))
         runner.start()
         assert proxy.held.wait(timeout=120), "unit 0's upload never started"
         steps_per_epoch = 256 // 32

@@ -1,4 +1,6 @@
-"""The spine, end to end through Prefect: units, retries that resume, reruns, warm starts, retention."""
+"""The spine, end to end: units, reruns, warm starts and retention through the run's lifecycle (``train_run``:
+training.run.Run, as the flow drives it), and what Prefect adds through the train flow itself: retries that resume,
+and the command line's one-line errors."""
 
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ from flows.train import done_line, train
 from tests import recipes_for_tests
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
-
 
 def final_weights(config) -> dict[str, torch.Tensor]:
     store = CheckpointStore(config.save_folder, config.run_name)
@@ -28,6 +28,8 @@ def assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier
+@pytest.mark.usefixtures("prefect_harness")
 def test_retried_unit_resumes_from_previous_checkpoint_and_matches_uninterrupted_run(make_config, tmp_path):
     clean = make_config(run_name="clean")
     faulty = make_config(run_name="faulty", inject_fault_at_step=12)  # inside unit 1 (8 steps per epoch)
@@ -46,10 +48,10 @@ def test_retried_unit_resumes_from_previous_checkpoint_and_matches_uninterrupted
     assert a.metrics == b.metrics
 
 
-def test_rerun_after_completion_trains_nothing_and_returns_same_result(make_config):
+def test_rerun_after_completion_trains_nothing_and_returns_same_result(make_config, train_run):
     config = make_config()
-    first = train(config)
-    again = train(config)
+    first = train_run(config)
+    again = train_run(config)
 
     assert again.units == []
     assert again.started_from == f"checkpoint {first.units[-1].checkpoint_name}"
@@ -62,11 +64,11 @@ def test_rerun_after_completion_trains_nothing_and_returns_same_result(make_conf
     )
 
 
-def test_larger_max_duration_continues_from_last_checkpoint(make_config):
-    short = train(make_config(max_duration="2ep"))
-    longer = train(make_config(max_duration="4ep"))
+def test_larger_max_duration_continues_from_last_checkpoint(make_config, train_run):
+    short = train_run(make_config(max_duration="2ep"))
+    longer = train_run(make_config(max_duration="4ep"))
     reference = make_config(run_name="ref", max_duration="4ep")
-    train(reference)
+    train_run(reference)
 
     assert [u.unit for u in longer.units] == [2, 3]
     assert longer.units[0].resumed_from.startswith(f"checkpoint {short.units[-1].checkpoint_name}")
@@ -74,9 +76,9 @@ def test_larger_max_duration_continues_from_last_checkpoint(make_config):
     assert_same_weights(final_weights(make_config(max_duration="4ep")), final_weights(reference))
 
 
-def test_load_path_with_weights_only_warm_starts_a_new_run(make_config):
+def test_load_path_with_weights_only_warm_starts_a_new_run(make_config, train_run):
     source = make_config(run_name="source")
-    done = train(source)
+    done = train_run(source)
     # lr=0 leaves the weights untouched, so the new run's weights must be exactly the loaded ones.
     tuned = make_config(
         run_name="tuned",
@@ -85,16 +87,16 @@ def test_load_path_with_weights_only_warm_starts_a_new_run(make_config):
         load_weights_only=True,
         recipe_args={"num_samples": 256, "lr": 0.0},
     )
-    result = train(tuned)
+    result = train_run(tuned)
 
     assert result.units[0].resumed_from == f"weights of {done.checkpoint} (load_path)"
     assert (result.epoch, result.step, result.samples_seen) == (1, 8, 256)  # progress starts anew
     assert_same_weights(final_weights(tuned), final_weights(source))
 
 
-def test_retention_keeps_exactly_num_checkpoints_to_keep_including_latest(make_config):
+def test_retention_keeps_exactly_num_checkpoints_to_keep_including_latest(make_config, train_run):
     config = make_config(max_duration="5ep", num_checkpoints_to_keep=2)
-    result = train(config)
+    result = train_run(config)
     store = CheckpointStore(config.save_folder, config.run_name)
 
     names = [i.name for i in store.list()]
@@ -102,6 +104,8 @@ def test_retention_keeps_exactly_num_checkpoints_to_keep_including_latest(make_c
     assert store.read_pointer()["name"] == result.units[-1].checkpoint_name
 
 
+@pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier
+@pytest.mark.usefixtures("prefect_harness")
 def test_failed_attempt_state_is_freed_before_the_retry(make_config):
     recipes_for_tests.BUILT_MODELS.clear()
     config = make_config(recipe="tests.recipes_for_tests:TrackingRecipe", max_duration="2ep", inject_fault_at_step=12)
@@ -115,12 +119,12 @@ def test_failed_attempt_state_is_freed_before_the_retry(make_config):
     assert retry_model() is not None  # still held as the clean in-memory state of the last checkpoint
 
 
-def test_autoresume_false_refuses_an_existing_run_and_keeps_it(make_config):
+def test_autoresume_false_refuses_an_existing_run_and_keeps_it(make_config, train_run):
     from training.config import ConfigError
 
-    first = train(make_config(max_duration="1ep"))
+    first = train_run(make_config(max_duration="1ep"))
     with pytest.raises(ConfigError, match="autoresume=False"):
-        train(make_config(max_duration="2ep", autoresume=False))
+        train_run(make_config(max_duration="2ep", autoresume=False))
     store = CheckpointStore(make_config().save_folder, "r")
     assert [i.name for i in store.list()] == [first.units[0].checkpoint_name]
 
@@ -131,6 +135,7 @@ def run_cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a python -m flows.train process (torch, Prefect) for each case
 @pytest.mark.parametrize(
     "args, message",
     [
