@@ -167,6 +167,7 @@ def cli(config, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # python -m flows.train processes on a Prefect test server
 def test_the_cli_refuses_a_carried_state_that_does_not_fit_with_one_error_line_and_exit_2(make_config, prefect_env):
     load_path = forged(make_config, set_momentum("x"))
     b = make_config(run_name="b")

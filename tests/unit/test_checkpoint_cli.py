@@ -92,6 +92,7 @@ def test_verify_with_name_checks_only_that_checkpoint(run):
     assert escape.returncode == 1 and escape.stderr.startswith("error: --name='../other'")
 
 
+@pytest.mark.slow  # three python -m checkpointing processes
 def test_on_s3_the_storage_options_are_used_and_never_printed(s3, tmp_path):
     folder, options = s3
     store = CheckpointStore(folder, "exp", storage_options=options)

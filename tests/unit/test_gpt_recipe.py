@@ -38,6 +38,7 @@ def final_state(config) -> dict:
     return store.load(store.latest().name, files=[STATE_FILE]).objects[STATE_FILE]["state"]
 
 
+@pytest.mark.slow  # trains the GPT recipe until its loss goes down
 def test_it_trains_with_accumulation_clipping_and_bf16_and_the_loss_goes_down(gpt_config):
     config = gpt_config(eval_interval="10ba")
     units = []
@@ -96,6 +97,7 @@ def test_the_lr_schedule_warms_up_then_decays_to_min_lr_at_the_run_s_last_step(g
     assert lr[-1] == pytest.approx(1e-4) and lr[-2] > 1e-4  # ... reaching min_lr at the last step
 
 
+@pytest.mark.slow  # trains the GPT recipe twice (about a minute of CPU)
 def test_a_cold_resume_ends_bit_identical_to_an_uninterrupted_run(gpt_config):
     args = {**TINY, "dropout": 0.2}  # dropout draws from torch's RNG: the resume must restore it exactly
     whole = gpt_config(run_name="whole", recipe_args=args, save_interval="30ba", eval_interval="10ba")

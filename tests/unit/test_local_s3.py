@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from checkpointing import CheckpointStore
@@ -27,6 +28,7 @@ def _client_env(line: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # a python -m deployments.local_s3 server process
 def test_make_s3_serves_bucket_runs_that_a_client_reaches_with_the_printed_environment():
     port = free_port()
     server = subprocess.Popen(

@@ -49,6 +49,7 @@ def test_an_unknown_protocol_is_named():
     assert describe_error(info.value).startswith("save_folder='nosuch://b/runs': protocol 'nosuch' is not supported")
 
 
+@pytest.mark.slow  # a python process that imports flows.train (torch, Prefect)
 def test_the_cli_exits_2_with_the_extra_and_writes_nothing(tmp_path):
     # A fresh interpreter with gcsfs hidden, as on a machine without the [gcs] extra.
     code = "import sys; sys.modules['gcsfs'] = None; from flows.train import main; sys.exit(main(sys.argv[1:]))"

@@ -61,6 +61,7 @@ def test_a_malformed_allow_list_entry_is_one_clear_error(monkeypatch):
         allowed_recipes()
 
 
+@pytest.mark.slow  # two python processes that import torch
 def test_the_command_line_allows_the_recipe_it_names_for_its_own_process_only(tmp_path):
     """`python -m flows.train --recipe pkg:Cls` by hand may run it; the allow-list of other processes is unchanged."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "home")}
