@@ -4,7 +4,7 @@ It names a checkpoint (a path segment: a name like ``../other-run/...`` must not
 run), the generation of the writer that moved it and the sha256 of the manifest it vouches for. It is read
 bounded (untrusted.py) and typed; a ``latest`` that is missing reads as FileNotFoundError, a damaged one as
 DamagedFileError, and the store then lists every checkpoint (store.py). Only a writer rewrites it: a commit,
-a roll-back, or ``CheckpointStore.repair_pointer`` when it is damaged.
+a roll-back, or ``CheckpointStore._repair_pointer`` when it is damaged.
 """
 
 from __future__ import annotations

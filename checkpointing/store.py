@@ -138,7 +138,7 @@ class CheckpointStore:
         infos = [i for i in map(self.info, self._names()) if i is not None]
         return sorted(infos, key=lambda i: i.manifest.order)
 
-    def folders(self) -> builtins.list[str]:
+    def _folders(self) -> builtins.list[str]:
         """Every checkpoint folder's name, sorted, its manifest readable or not (``list`` gives only the readable)."""
         return sorted(self._names())
 
@@ -225,7 +225,7 @@ class CheckpointStore:
 
     def read_pointer(self) -> dict[str, Any] | None:
         """``latest`` as {"name", "generation", "manifest_sha256"}, or None when it is missing or damaged (then
-        readers list every checkpoint, and the next writer repairs it: ``repair_pointer``)."""
+        readers list every checkpoint, and the next writer repairs it: ``_repair_pointer``)."""
         try:
             return pointer.read(self.storage)
         except FileNotFoundError:
@@ -332,15 +332,15 @@ class CheckpointStore:
         finally:
             self._in_flight.discard(name)
 
-    def begin(self, name: str, writer: Writer) -> None:
-        """Makes way for files that ``commit_files`` will commit: checks the fence (a stale writer writes
+    def _begin(self, name: str, writer: Writer) -> None:
+        """Makes way for files that ``_commit_files`` will commit: checks the fence (a stale writer writes
         nothing), un-commits a checkpoint of the same name and removes its files (a retry at another world
         size would otherwise leave stray shards)."""
         validate_name(name, "checkpoint name")
         self.check_fence(writer)
         self.delete(name)
 
-    def commit_files(
+    def _commit_files(
         self,
         name: str,
         entries: dict[str, FileEntry],
@@ -396,7 +396,7 @@ class CheckpointStore:
         pointer.write(self.storage, name, writer.generation, info.manifest_sha256)
         return info
 
-    def name_for(self, progress: dict[str, int], generation: int) -> str:
+    def _name_for(self, progress: dict[str, int], generation: int) -> str:
         """The name of a checkpoint at ``progress`` (``ep<epoch>-ba<step>-sa<samples>``), or that name with
         ``-g<generation>`` when an older writer's committed checkpoint holds it (after a roll-back or a fall-back,
         retraining reaches the same position; nothing is overwritten). The only place names are made."""
@@ -485,13 +485,13 @@ class CheckpointStore:
     def claim_generation(self, label: str = "", owner: str = "", handover_seconds: float = 0.0) -> int:
         """Claims a writer generation higher than any claimed before (see fencing.py); with ``handover_seconds``, a
         live previous holder is first asked to commit where it stands and stop. First it repairs ``latest`` if it
-        is damaged (``repair_pointer``): every flow start and torchrun unit claims, so the first writer of a
+        is damaged (``_repair_pointer``): every flow start and torchrun unit claims, so the first writer of a
         relaunch repairs what a kill left, and the repaired pointer's generation is the claim's floor again."""
-        self.repair_pointer()
+        self._repair_pointer()
         floor = (self.read_pointer() or {}).get("generation", 0)
         return self.fence.claim(floor=floor, label=label, owner=owner, handover_seconds=handover_seconds)
 
-    def repair_pointer(self) -> str | None:
+    def _repair_pointer(self) -> str | None:
         """Rewrites ``latest`` when it is there but unreadable (empty after a kill mid-write, torn, altered) or
         names no checkpoint whose manifest it vouches for, and a checkpoint verifies: ``latest`` then names
         the newest one, with that checkpoint's writer generation (as its commit would have). Readers never

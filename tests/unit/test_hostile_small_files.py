@@ -157,13 +157,13 @@ def test_an_empty_latest_left_by_a_kill_is_rewritten_by_the_next_writer(backend,
 def test_latest_naming_a_checkpoint_that_is_gone_is_rewritten_to_the_newest_good_one(tmp_path):
     store = run_of((str(tmp_path / "runs"), None))
     store.delete(NAMES[2])
-    assert store.repair_pointer() == NAMES[1]
+    assert store._repair_pointer() == NAMES[1]
     assert store.read_pointer() == {
         "name": NAMES[1],
         "generation": 1,
         "manifest_sha256": store.info(NAMES[1]).manifest_sha256,
     }
-    assert store.repair_pointer() is None  # nothing left to repair
+    assert store._repair_pointer() is None  # nothing left to repair
 
 
 def test_a_commit_whose_manifest_readers_would_refuse_fails_at_once_and_latest_stays(tmp_path):
