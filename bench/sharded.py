@@ -82,7 +82,8 @@ def child_fsdp(plan_file: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from checkpointing import CheckpointStore
+    from checkpointing import CheckpointStore, Writer
+    from checkpointing.commit import CommitTerms
     from training.unit import fsdp
 
     with open(plan_file) as f:
@@ -103,7 +104,8 @@ def child_fsdp(plan_file: str) -> None:
         dist.barrier()
         _reset_peak()
         before, t0 = _kib("VmRSS"), time.perf_counter()
-        info = fsdp.save_sharded(store, f"c{i}", model, optimizer, {"step": 1}, progress={"step": 1})
+        terms = CommitTerms(store, {"epoch": 0, "step": i + 1, "samples_seen": i + 1}, Writer.current(0))
+        info = fsdp.save_sharded(terms, model, optimizer, {"step": i + 1}).wait()
         save_s, save_peak = time.perf_counter() - t0, _kib("VmHWM") - before
         dist.barrier()
         t0 = time.perf_counter()
