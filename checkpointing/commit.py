@@ -151,9 +151,11 @@ def with_network_weights(objects: dict[str, Any]) -> dict[str, Any]:
     state = objects.get(STATE_FILE, {}).get("state") if isinstance(objects.get(STATE_FILE), dict) else None
     model = state.get("model") if isinstance(state, dict) else None
     if not isinstance(model, dict):
-        log.warning("save_network_weights: this checkpoint's state has no ['model'] state_dict; no %s written "
-                    "(a train_loop reports it as ctx.report(..., state={'model': model.state_dict(), ...}))",
-                    WEIGHTS_FILE)  # fmt: skip
+        log.warning(
+            "save_network_weights: this checkpoint's state has no ['model'] state_dict; no %s written "
+            "(a train_loop reports it as ctx.report(..., state={'model': model.state_dict(), ...}))",
+            WEIGHTS_FILE,
+        )
         return objects
     return {**objects, WEIGHTS_FILE: model}
 

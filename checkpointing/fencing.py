@@ -148,8 +148,9 @@ class Fence:
                 beat, seen_at = lease.get("beat"), time.monotonic()
             elif time.monotonic() - seen_at > LEASE_STALE:
                 break  # it stopped renewing: gone
-        log.warning("%s: generation %d did not hand over within %.0f s; fencing it out", self.storage.url,
-                    generation, timeout)  # fmt: skip
+        log.warning(
+            "%s: generation %d did not hand over within %.0f s; fencing it out", self.storage.url, generation, timeout
+        )
         return True
 
     def read_lease(self, generation: int) -> dict[str, Any] | None:
@@ -165,8 +166,11 @@ class Fence:
             raw = as_dict(read_json(self.storage, f"{LEASES}/{generation:012d}.stop", MAX_CLAIM_BYTES), "the request")
         except (FileNotFoundError, DamagedFileError):
             return None
-        return {k: printable(v)[:MAX_LABEL] if isinstance(v, str) else v for k, v in raw.items()
-                if k in ("by", "owner", "host", "pid")}  # fmt: skip
+        return {
+            k: printable(v)[:MAX_LABEL] if isinstance(v, str) else v
+            for k, v in raw.items()
+            if k in ("by", "owner", "host", "pid")
+        }
 
     def check(self, writer: Writer, pointer_generation: int) -> None:
         newest = max(self.newest(), pointer_generation)

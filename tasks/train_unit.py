@@ -61,8 +61,15 @@ def train_unit(
     """Train unit ``unit`` of the run (or the recipe's own loop), resuming from its newest good checkpoint.
     ``on_report`` (in-process, e.g. the flow's UI report) sees each committed checkpoint as a UnitResult."""
     try:
-        result = execute_unit(config, unit=unit, start_checkpoint=start_checkpoint, attempt=task_run.run_count,
-                              generation=generation, on_report=on_report, launch_nodes=node_launcher)  # fmt: skip
+        result = execute_unit(
+            config,
+            unit=unit,
+            start_checkpoint=start_checkpoint,
+            attempt=task_run.run_count,
+            generation=generation,
+            on_report=on_report,
+            launch_nodes=node_launcher,
+        )
     except Preempted as stop:
         return stopped(stop)
     except Exception as exc:

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,14 @@ class Preempted(BaseException):
         return f"{self.stop.reason}: stopped at step {self.step}; {saved}{f'; {self.note}' if self.note else ''}"
 
 
+StopKind = Literal["signal", "handover"]  # a polite signal, or a newer attempt taking the run over
+
+
 @dataclass(frozen=True)
 class Stop:
     """What asked training to stop: ``kind`` is "signal" or "handover"; ``by`` is who asked for a handover."""
 
-    kind: str
+    kind: StopKind
     reason: str
     at: float  # time.monotonic() when it was asked
     by: dict[str, Any] | None = None
@@ -85,7 +88,7 @@ class StopRequests:
         self.ignored: list[str] = []  # the signals ignored after it, in order (the stop's log line names them)
         self.aborts = 0  # Ctrl-C presses after it, at a terminal
 
-    def request(self, kind: str, reason: str, by: dict[str, Any] | None = None, signum: int | None = None) -> None:
+    def request(self, kind: StopKind, reason: str, by: dict[str, Any] | None = None, signum: int | None = None) -> None:
         with self._lock:
             if self._stop is None:
                 self._stop = Stop(kind, reason, time.monotonic(), by, signum)

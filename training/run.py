@@ -69,8 +69,15 @@ class TrainResult(BaseModel):
 class Run:
     """One attempt at a run: where it stands, whose it is, and what it trained so far."""
 
-    def __init__(self, config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None, generation: int,
-                 lease: Lease | None, warnings: list[str]):  # fmt: skip
+    def __init__(
+        self,
+        config: TrainConfig,
+        store: CheckpointStore,
+        start: CheckpointInfo | None,
+        generation: int,
+        lease: Lease | None,
+        warnings: list[str],
+    ):
         self.config, self.store, self.start, self.generation = config, store, start, generation
         self.lease, self.warnings = lease, warnings
         self.confined = False  # its local files are confined to the worker's roots until it closes (Run.open)
@@ -83,8 +90,9 @@ class Run:
 
     # -- opening ------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, config: TrainConfig, *, attempt: int = 1, owner: str = "", label: str = "",
-             untrusted: bool = False) -> Run:  # fmt: skip
+    def open(
+        cls, config: TrainConfig, *, attempt: int = 1, owner: str = "", label: str = "", untrusted: bool = False
+    ) -> Run:
         """Every check that can fail runs before anything is written; then the run is claimed for this attempt
         (a live previous attempt is asked to hand over first), rolled back if ``resume_from`` asks, and its start
         resolved. ``owner`` (e.g. a flow run id) and ``label`` say who trains in the run's claims; ``untrusted``: the
@@ -133,8 +141,14 @@ class Run:
         run.warnings = [w for w in (load_path_warning(run), overshoot_warning(run)) if w]
         for warning in run.warnings:
             logger.warning(warning)
-        logger.info("run %s in %s%s: %s; %s", config.run_name, store.uri, " (train_loop)" if run.own_loop else "",
-                    run.started_from, "nothing left" if run.complete else f"training to {config.max_duration}")  # fmt: skip
+        logger.info(
+            "run %s in %s%s: %s; %s",
+            config.run_name,
+            store.uri,
+            " (train_loop)" if run.own_loop else "",
+            run.started_from,
+            "nothing left" if run.complete else f"training to {config.max_duration}",
+        )
         return run
 
     def __enter__(self) -> Run:
@@ -205,13 +219,23 @@ class Run:
         else:
             assert self.start is not None, "a complete run without units started from a checkpoint"
             name, uri = self.start.name, self.start.uri
-        logger.info("run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
-                    config.run_name, p.epoch, p.step, p.samples_seen, len(self.units), uri,
-                    ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics")  # fmt: skip
+        logger.info(
+            "run %s complete: epoch %d, step %d, %d samples; %d unit(s) trained now; checkpoint %s; %s",
+            config.run_name,
+            p.epoch,
+            p.step,
+            p.samples_seen,
+            len(self.units),
+            uri,
+            ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics",
+        )
         if config.export_on_complete:
             logger.info(export_checkpoint(uri, config.export_on_complete, storage_options=config.storage_options))
-        best = store.best(config.checkpoint_score_attribute, config.checkpoint_score_order) \
-            if config.checkpoint_score_attribute else []  # fmt: skip
+        best = (
+            store.best(config.checkpoint_score_attribute, config.checkpoint_score_order)
+            if config.checkpoint_score_attribute
+            else []
+        )
         return TrainResult(
             run_name=config.run_name,
             checkpoint=uri,
@@ -244,8 +268,11 @@ def resolve_start(config: TrainConfig, store: CheckpointStore) -> CheckpointInfo
         return start
     verified = store.latest(deep=True)
     if verified is None or verified.name != start.name:
-        logger.warning("the final checkpoint %s failed verification; resuming from %s and retraining from there",
-                       start.name, verified.name if verified else "the start")  # fmt: skip
+        logger.warning(
+            "the final checkpoint %s failed verification; resuming from %s and retraining from there",
+            start.name,
+            verified.name if verified else "the start",
+        )
     return verified
 
 
@@ -315,9 +342,16 @@ def overshoot_warning(run: Run) -> str:
     )
 
 
-def execute_unit(config: TrainConfig, *, unit: int, start_checkpoint: str | None = None, attempt: int = 1,
-                 generation: int = 0, on_report: Callable[[UnitResult], None] | None = None,
-                 launch_nodes: Callable[[], NodeLauncher] | None = None) -> UnitResult:  # fmt: skip
+def execute_unit(
+    config: TrainConfig,
+    *,
+    unit: int,
+    start_checkpoint: str | None = None,
+    attempt: int = 1,
+    generation: int = 0,
+    on_report: Callable[[UnitResult], None] | None = None,
+    launch_nodes: Callable[[], NodeLauncher] | None = None,
+) -> UnitResult:
     """Trains unit ``unit`` (or, for a recipe with its own ``train_loop``, the loop) wherever it runs: in this
     process, or on this attempt's gang of rank processes. ``on_report`` sees every committed checkpoint;
     ``launch_nodes`` starts the other machines of a gang with ``nnodes > 1`` (tasks/nodes.py)."""
@@ -326,13 +360,17 @@ def execute_unit(config: TrainConfig, *, unit: int, start_checkpoint: str | None
     if distributed:
         from training.distributed.gang import Op, run_on_gang
 
-        command = {"op": Op.LOOP if own else Op.UNIT, "unit": unit, "start_checkpoint": start_checkpoint,
-                   "attempt": attempt}  # fmt: skip
+        command = {
+            "op": Op.LOOP if own else Op.UNIT,
+            "unit": unit,
+            "start_checkpoint": start_checkpoint,
+            "attempt": attempt,
+        }
         result = run_on_gang(config, command, generation, on_report if own else None, launch_nodes)
     elif own:
-        from training.unit.own_loop import run_custom_loop
+        from training.unit.own_loop import run_own_loop
 
-        return run_custom_loop(config, attempt=attempt, generation=generation, on_report=on_report)
+        return run_own_loop(config, attempt=attempt, generation=generation, on_report=on_report)
     else:
         result = run_unit(config, start_checkpoint=start_checkpoint, attempt=attempt, generation=generation)
     if on_report is not None and not own:

@@ -14,7 +14,7 @@ from training import LoopContext, ResumableBatchSampler
 from training.config import ConfigError
 from training.start.identity import check_same_run
 from training.start.preflight import preflight
-from training.unit.own_loop import LoopEndedEarlyError, ReportError, run_custom_loop
+from training.unit.own_loop import LoopEndedEarlyError, ReportError, run_own_loop
 from training.unit.warm import SessionCache
 
 OWN_LOOP = "recipes.custom_loop:CustomLoopRecipe"
@@ -134,8 +134,8 @@ def test_counters_never_go_back_and_metrics_must_be_numbers(loop_config):
 def test_a_loop_that_returns_before_max_duration_fails_naming_it(make_config):
     config = make_config(recipe="tests.own_loop_recipes:ShortLoopRecipe", recipe_args={}, max_duration="3ba")
     with pytest.raises(LoopEndedEarlyError, match=r"before max_duration=3ba"):
-        run_custom_loop(config, cache=SessionCache())
-    done = run_custom_loop(make_config(recipe=config.recipe, recipe_args={}, max_duration="2ba"), cache=SessionCache())
+        run_own_loop(config, cache=SessionCache())
+    done = run_own_loop(make_config(recipe=config.recipe, recipe_args={}, max_duration="2ba"), cache=SessionCache())
     assert (done.complete, done.checkpoint_name, done.metrics["loss"]) == (True, "ep0-ba2-sa0", 0.5)
 
 

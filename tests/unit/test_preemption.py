@@ -18,7 +18,7 @@ from checkpointing.store import STATE_FILE
 from training import preemption
 from training.preemption import STOP, Preempted
 from training.run import Run, execute_unit
-from training.unit.own_loop import run_custom_loop
+from training.unit.own_loop import run_own_loop
 from training.unit.warm import SessionCache
 
 SIGNALLED = "tests.recipes_for_tests:SignalledRecipe"
@@ -130,15 +130,15 @@ def test_a_loop_of_its_own_reports_on_should_checkpoint_and_resumes_there(make_c
     reference = make_config(run_name="ref", recipe=SIGNALLED_LOOP, recipe_args=args, max_duration="3ep")
     config = make_config(run_name="loop", recipe=SIGNALLED_LOOP, recipe_args={**args, "signal_after_update": 3},
                          max_duration="3ep")  # fmt: skip
-    run_custom_loop(reference, cache=SessionCache())
+    run_own_loop(reference, cache=SessionCache())
 
     with preemption.handling(["SIGTERM"]), pytest.raises(Preempted) as stopped:
-        run_custom_loop(config, cache=SessionCache())
+        run_own_loop(config, cache=SessionCache())
 
     # report_every=100: only ctx.should_checkpoint made the loop report at step 3
     assert (stopped.value.step, stopped.value.checkpoint) == (3, "ep1-ba3-sa96")
     STOP.clear()
-    done = run_custom_loop(config, cache=SessionCache())
+    done = run_own_loop(config, cache=SessionCache())
     assert done.resumed_from == "checkpoint ep1-ba3-sa96"
     assert all(torch.equal(a, b) for a, b in zip(model_of(config).values(), model_of(reference).values(), strict=True))
 

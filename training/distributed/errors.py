@@ -34,8 +34,14 @@ def error_record(exc: BaseException, rank: int) -> dict[str, Any]:
     """What a rank writes down about the error that ends it."""
     record: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)[:MAX_MESSAGE], "rank": rank}
     if isinstance(exc, Preempted):
-        record.update(kind=exc.stop.kind, reason=exc.stop.reason, checkpoint=exc.checkpoint, step=exc.step,
-                      seconds=exc.seconds, note=exc.note)  # fmt: skip
+        record.update(
+            kind=exc.stop.kind,
+            reason=exc.stop.reason,
+            checkpoint=exc.checkpoint,
+            step=exc.step,
+            seconds=exc.seconds,
+            note=exc.note,
+        )
     return record
 
 
@@ -46,10 +52,17 @@ def error_from_record(record: Any) -> BaseException:
     name, message = str(record.get("type", "")), str(record.get("message", ""))[:MAX_MESSAGE]
     rank = f"(on rank {record.get('rank')})"
     if name == "Preempted":
-        stop = Stop(str(record.get("kind", "signal")), str(record.get("reason", "preempted")), 0.0)
+        stop = Stop(
+            "handover" if record.get("kind") == "handover" else "signal", str(record.get("reason", "preempted")), 0.0
+        )
         seconds = record.get("seconds")
-        return Preempted(stop, record.get("checkpoint"), int(record.get("step") or 0),
-                         float(seconds) if isinstance(seconds, (int, float)) else None, str(record.get("note") or ""))  # fmt: skip
+        return Preempted(
+            stop,
+            record.get("checkpoint"),
+            int(record.get("step") or 0),
+            float(seconds) if isinstance(seconds, (int, float)) else None,
+            str(record.get("note") or ""),
+        )
     cls = REBUILT.get(name)
     if cls is None:
         return RemoteError(f"{name}: {message} {rank}")

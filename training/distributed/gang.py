@@ -74,8 +74,9 @@ class Op(StrEnum):
 class Gang:
     """torchrun's ranks for one attempt of one run (``key``), and the socket to its rank 0."""
 
-    def __init__(self, config: TrainConfig, key: tuple, generation: int = 0,
-                 launcher: nodes.NodeLauncher | None = None):  # fmt: skip
+    def __init__(
+        self, config: TrainConfig, key: tuple, generation: int = 0, launcher: nodes.NodeLauncher | None = None
+    ):
         self.key, self.config, self.generation, self.launcher = key, config, generation, launcher
         self._node_check = 0.0
         _remove_stale_folders()
@@ -104,9 +105,11 @@ class Gang:
         seat = None
         if rendezvous is not None:
             seat = NodeSeat(self.config.nnodes, 0, rendezvous.endpoint, rendezvous.rdzv_id, rendezvous.address)
-        logger.info("starting %d rank process(es) with torchrun%s (kept for the units of this attempt)",
-                    self.config.nproc_per_node, f" as node 0 of {self.config.nnodes} at {rendezvous.endpoint}"
-                    if rendezvous else "")  # fmt: skip
+        logger.info(
+            "starting %d rank process(es) with torchrun%s (kept for the units of this attempt)",
+            self.config.nproc_per_node,
+            f" as node 0 of {self.config.nnodes} at {rendezvous.endpoint}" if rendezvous else "",
+        )
         proc = Torchrun(self.config.nproc_per_node, recipe, roots, seat).start(
             self.config, Path(self._folder.name), env
         )
@@ -119,8 +122,9 @@ class Gang:
         assert self.launcher is not None, "run_on_gang hands a launcher to every gang with nnodes > 1"
         config_json = json.loads(self.config.model_dump_json())
         try:
-            self.launcher.start(nodes.make_offers(self.config, rendezvous, self.generation, config_json, secret),
-                                config_json)  # fmt: skip
+            self.launcher.start(
+                nodes.make_offers(self.config, rendezvous, self.generation, config_json, secret), config_json
+            )
         except BaseException:
             kill_group(proc.pid)
             proc.wait()
@@ -283,13 +287,25 @@ _GANGS: dict[tuple, Gang] = {}
 
 
 def gang_key(config: TrainConfig, generation: int) -> tuple:
-    return (config.save_folder, config.run_name, generation, config.nproc_per_node, config.nnodes,
-            config.parallelism, config.device, config.fingerprint())  # fmt: skip
+    return (
+        config.save_folder,
+        config.run_name,
+        generation,
+        config.nproc_per_node,
+        config.nnodes,
+        config.parallelism,
+        config.device,
+        config.fingerprint(),
+    )
 
 
-def run_on_gang(config: TrainConfig, command: dict[str, Any], generation: int,
-                on_report: Callable[[UnitResult], None] | None = None,
-                launch_nodes: Callable[[], nodes.NodeLauncher] | None = None) -> UnitResult:  # fmt: skip
+def run_on_gang(
+    config: TrainConfig,
+    command: dict[str, Any],
+    generation: int,
+    on_report: Callable[[UnitResult], None] | None = None,
+    launch_nodes: Callable[[], nodes.NodeLauncher] | None = None,
+) -> UnitResult:
     """Runs ``command`` on this attempt's gang, starting one (and closing any other) when there is none alive.
     With ``nnodes > 1``, ``launch_nodes`` makes the launcher of the new gang's other nodes."""
     key = gang_key(config, generation)

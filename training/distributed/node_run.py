@@ -50,8 +50,14 @@ def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     seat = NodeSeat(offer.nnodes, offer.node_rank, offer.endpoint, offer.rdzv_id, node_address())
     torchrun = Torchrun(offer.nproc_per_node, recipe, local_root_forms(), seat)  # ranks' files: under these roots
     with tempfile.TemporaryDirectory(prefix="node-") as folder:
-        logger.info("node %d of %d: starting %d rank process(es), rendezvous %s (%s)", offer.node_rank, offer.nnodes,
-                    offer.nproc_per_node, offer.endpoint, offer.rdzv_id)  # fmt: skip
+        logger.info(
+            "node %d of %d: starting %d rank process(es), rendezvous %s (%s)",
+            offer.node_rank,
+            offer.nnodes,
+            offer.nproc_per_node,
+            offer.endpoint,
+            offer.rdzv_id,
+        )
         proc = torchrun.start(config, Path(folder), os.environ)
         # In this run's context: torchrun's lines reach the node run's logs in the UI, not only the worker's output.
         relay = threading.Thread(
@@ -69,8 +75,7 @@ def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     return f"node {offer.node_rank} of {offer.nnodes} done (rendezvous {offer.rdzv_id})"
 
 
-def supervise(proc: subprocess.Popen, endpoint: str, lost_after: float = LOST_AFTER,
-              every: float = PROBE_EVERY) -> int:  # fmt: skip
+def supervise(proc: subprocess.Popen, endpoint: str, lost_after: float = LOST_AFTER, every: float = PROBE_EVERY) -> int:
     """Waits for ``proc``; stops its process group and raises NodeFailed once ``endpoint`` (node 0's store) has not
     answered for ``lost_after`` seconds."""
     host, port = endpoint.rsplit(":", 1)

@@ -116,15 +116,24 @@ def _mac(payload: Mapping[str, Any], secret: str) -> str:
     return hmac.new(secret.encode(), _DOMAIN + canonical(dict(payload)), hashlib.sha256).hexdigest()
 
 
-def make_offers(config: TrainConfig, rendezvous: Rendezvous, generation: int, config_json: dict[str, Any],
-                secret: str) -> list[dict[str, Any]]:  # fmt: skip
+def make_offers(
+    config: TrainConfig, rendezvous: Rendezvous, generation: int, config_json: dict[str, Any], secret: str
+) -> list[dict[str, Any]]:
     """One signed offer per node 1..nnodes-1."""
     expires = int(time.time()) + OFFER_TTL
     offers = []
     for rank in range(1, config.nnodes):
-        offer = NodeOffer(endpoint=rendezvous.endpoint, rdzv_id=rendezvous.rdzv_id, nnodes=config.nnodes,
-                          node_rank=rank, nproc_per_node=config.nproc_per_node, run=config.run_name,
-                          generation=generation, config_sha256=config_digest(config_json), expires=expires)  # fmt: skip
+        offer = NodeOffer(
+            endpoint=rendezvous.endpoint,
+            rdzv_id=rendezvous.rdzv_id,
+            nnodes=config.nnodes,
+            node_rank=rank,
+            nproc_per_node=config.nproc_per_node,
+            run=config.run_name,
+            generation=generation,
+            config_sha256=config_digest(config_json),
+            expires=expires,
+        )
         offers.append(sign_offer(offer, secret))
     return offers
 
@@ -138,8 +147,10 @@ def sign_offer(offer: NodeOffer, secret: str) -> dict[str, Any]:
 def verify_offer(offer: Any, config: Any, secret: str | None, now: float | None = None) -> NodeOffer:
     """The offer, if node 0 of this pool signed it for ``config`` and it has not expired; else OfferRefused."""
     if not secret or len(secret) < MIN_SECRET:
-        raise OfferRefused(f"node offer refused: this worker has no {SECRET_ENV} (at least {MIN_SECRET} characters), "
-                           f"so it joins no rendezvous")  # fmt: skip
+        raise OfferRefused(
+            f"node offer refused: this worker has no {SECRET_ENV} (at least {MIN_SECRET} characters), "
+            f"so it joins no rendezvous"
+        )
     if not isinstance(offer, dict) or not isinstance(offer.get("signature"), str):
         raise OfferRefused("node offer refused: it is not signed")
     payload = {k: v for k, v in offer.items() if k != "signature"}
@@ -156,7 +167,9 @@ def verify_offer(offer: Any, config: Any, secret: str | None, now: float | None 
     except ValidationError as exc:
         raise OfferRefused(f"node offer refused: {exc.error_count()} malformed field(s)") from None
     if (now if now is not None else time.time()) > accepted.expires:
-        raise OfferRefused(f"node offer refused: it expired at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(accepted.expires))}")  # fmt: skip
+        raise OfferRefused(
+            f"node offer refused: it expired at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(accepted.expires))}"
+        )
     _check_config(accepted, config)
     return accepted
 
@@ -175,13 +188,27 @@ def _check_config(offer: NodeOffer, config: Any) -> None:
 
 
 # -- what every node runs --------------------------------------------------------------------------------------
-def torchrun_command(nproc_per_node: int, nnodes: int, node_rank: int, rendezvous: str, rdzv_id: str,
-                     config_file: str) -> list[str]:  # fmt: skip
+def torchrun_command(
+    nproc_per_node: int, nnodes: int, node_rank: int, rendezvous: str, rdzv_id: str, config_file: str
+) -> list[str]:
     """torchrun for one node of a gang: static rendezvous at node 0's store, no restarts (a retry is Prefect's)."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
-            f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={rendezvous}",
-            f"--rdzv-id={rdzv_id}", f"--rdzv-conf=timeout={OFFER_TTL}", "--max-restarts=0",
-            "-m", "training.distributed.rank", "--config", config_file]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=static",
+        f"--rdzv-endpoint={rendezvous}",
+        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-conf=timeout={OFFER_TTL}",
+        "--max-restarts=0",
+        "-m",
+        "training.distributed.rank",
+        "--config",
+        config_file,
+    ]
 
 
 def node_environment(env: Mapping[str, str], address: str) -> dict[str, str]:

@@ -56,7 +56,8 @@ class ParentChannel:
                     break
                 message = json.loads(line)
                 if message.get("op") == Op.STOP:  # acted on by the training thread at its next step boundary
-                    preemption.STOP.request(str(message.get("kind", "signal")), str(message.get("reason", "")))
+                    kind: preemption.StopKind = "handover" if message.get("kind") == "handover" else "signal"
+                    preemption.STOP.request(kind, str(message.get("reason", "")))
                 else:
                     self.commands.put(message)
         self.commands.put({"op": Op.EXIT, "why": "the unit's process closed the connection"})
@@ -71,7 +72,7 @@ def serve(world: World, channel: ParentChannel | None) -> None:
     import torch.distributed as dist
 
     from training.unit.loop import run_unit
-    from training.unit.own_loop import run_custom_loop
+    from training.unit.own_loop import run_own_loop
     from training.unit.warm import SessionCache
 
     cache = SessionCache()
@@ -85,10 +86,11 @@ def serve(world: World, channel: ParentChannel | None) -> None:
         args = {"attempt": int(command.get("attempt", 1)), "generation": int(command["generation"])}
         if command["op"] == Op.LOOP:
             on_report = (lambda r: channel.send({"report": r.model_dump()})) if channel is not None else None
-            result = run_custom_loop(config, world=world, cache=cache, on_report=on_report, **args)
+            result = run_own_loop(config, world=world, cache=cache, on_report=on_report, **args)
         else:
-            result = run_unit(config, start_checkpoint=command.get("start_checkpoint"), world=world, cache=cache,
-                              **args)  # fmt: skip
+            result = run_unit(
+                config, start_checkpoint=command.get("start_checkpoint"), world=world, cache=cache, **args
+            )
         if channel is not None:
             channel.send({"result": result.model_dump()})
 

@@ -45,8 +45,9 @@ def check_model_fits(model: torch.nn.Module, state_dict: Mapping[str, Any], what
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     _, report = match(shapes, state_dict, aliases=tied_keys(model))
     if not report.ok:
-        raise ConfigError(f"{what} does not fit the model this configuration builds: "
-                          f"{mismatch_text(report, ways_out=False)}; {fix}")  # fmt: skip
+        raise ConfigError(
+            f"{what} does not fit the model this configuration builds: {mismatch_text(report, ways_out=False)}; {fix}"
+        )
 
 
 def load_model_state(model: torch.nn.Module, state_dict: Mapping[str, Any], what: str, fix: str) -> None:
@@ -58,8 +59,9 @@ def load_model_state(model: torch.nn.Module, state_dict: Mapping[str, Any], what
         raise ConfigError(f"{what} does not fit the model: {str(exc).splitlines()[0]}; {fix}") from exc
 
 
-def check_optimizer_fits(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], names: list[str], what: str,
-                         fix: str) -> None:  # fmt: skip
+def check_optimizer_fits(
+    optimizer: torch.optim.Optimizer, state: Mapping[str, Any], names: list[str], what: str, fix: str
+) -> None:
     """The optimizer ``state`` (parameters by index, in ``optimizer``'s order; ``names`` their model keys) fits
     ``optimizer``: the same groups and sizes, the same kind of optimizer, each entry what the optimizer keeps for its
     parameter (training/start/optimizer_state.py)."""
@@ -119,12 +121,16 @@ class ThisRun:
 def log_hyperparameters(changes: list[str]) -> None:
     """The one line that says whose hyper-parameters a new run trains with."""
     if changes:
-        logger.info("load_path: this run's optimizer hyper-parameters apply, not the checkpoint's: %s (checkpoint's "
-                    "-> this run's); the optimizer's state (moments, step counts) is the checkpoint's",
-                    ", ".join(changes))  # fmt: skip
+        logger.info(
+            "load_path: this run's optimizer hyper-parameters apply, not the checkpoint's: %s (checkpoint's "
+            "-> this run's); the optimizer's state (moments, step counts) is the checkpoint's",
+            ", ".join(changes),
+        )
     else:
-        logger.info("load_path: the optimizer's hyper-parameters are this run's and equal the checkpoint's; its state "
-                    "(moments, step counts) is the checkpoint's")  # fmt: skip
+        logger.info(
+            "load_path: the optimizer's hyper-parameters are this run's and equal the checkpoint's; its state "
+            "(moments, step counts) is the checkpoint's"
+        )
 
 
 def continue_schedule(scheduler: Any, step: int) -> bool:

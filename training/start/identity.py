@@ -72,8 +72,10 @@ def check_same_run(config: TrainConfig, info: CheckpointInfo) -> None:
     if not found:
         return
     if info.manifest.metadata.get("train_loop"):  # a loop of its own: what load_path hands it is its state
-        fix = (f"start a new run from its reported state with load_path={info.uri!r} (ctx.get_checkpoint() then "
-               f"returns that state; with load_weights_only=true, {{'model': ...}} of it)")  # fmt: skip
+        fix = (
+            f"start a new run from its reported state with load_path={info.uri!r} (ctx.get_checkpoint() then "
+            f"returns that state; with load_weights_only=true, {{'model': ...}} of it)"
+        )
     else:
         fix = f"start a new run from its weights with load_path={info.uri!r} load_weights_only=true"
     raise ConfigError(

@@ -29,9 +29,10 @@ def starts_over(config: TrainConfig, store: CheckpointStore, start: CheckpointIn
         if config.save_overwrite:
             logger.warning(
                 "save_overwrite=True changes nothing here: autoresume=True continues run %r from its checkpoint %s "
-                "and never writes over a checkpoint; to start the run over set autoresume=False", config.run_name,
+                "and never writes over a checkpoint; to start the run over set autoresume=False",
+                config.run_name,
                 start.name,
-            )  # fmt: skip
+            )
         return False
     if attempt > 1:
         return False  # a restart of the launch that started over (or was refused): it continues what it trained
@@ -54,6 +55,11 @@ def start_over(store: CheckpointStore, generation: int) -> list[str]:
     for key, recursive in ((POINTER, False), (ROLLBACKS, True)):
         if store.storage.exists(key):
             store.storage.delete(key, recursive=recursive)
-    logger.warning("save_overwrite=True, autoresume=False: run %r starts over; deleted its %d checkpoint(s) in %s: "
-                   "%s", store.run_name, len(names), store.uri, ", ".join(names) or "none")  # fmt: skip
+    logger.warning(
+        "save_overwrite=True, autoresume=False: run %r starts over; deleted its %d checkpoint(s) in %s: %s",
+        store.run_name,
+        len(names),
+        store.uri,
+        ", ".join(names) or "none",
+    )
     return names

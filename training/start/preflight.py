@@ -46,7 +46,7 @@ def preflight(config: TrainConfig) -> int:
     options are checked, and 0 is returned (the product never sees its data)."""
     check_multinode(config)  # several machines: the pool's secret and this node's address are there
     if uses_own_loop(config):
-        check_custom_loop(config)
+        check_own_loop(config)
         return 0
     key = sha256_hex(config.model_dump_json().encode())
     recipe = load_recipe(config)
@@ -69,7 +69,7 @@ def preflight(config: TrainConfig) -> int:
 TRAIN_METRICS = ("train_loss", "samples", "train_seconds", "samples_per_second", "checkpoint_seconds")
 
 
-def check_custom_loop(config: TrainConfig) -> None:
+def check_own_loop(config: TrainConfig) -> None:
     """Start-up checks for a recipe with ``train_loop``: it constructs, and no option asks for what the loop owns."""
     if config.parallelism == "fsdp":
         raise ConfigError(
@@ -79,8 +79,9 @@ def check_custom_loop(config: TrainConfig) -> None:
     load_recipe(config)  # its constructor's complaints about recipe_args, as one ConfigError
     ignored = sorted(set(config.model_fields_set) & set(IGNORED_BY_CUSTOM_LOOPS))
     if ignored:
-        logger.warning("%s: not used with a recipe that has train_loop (the loop decides when to report)",
-                       ", ".join(ignored))  # fmt: skip
+        logger.warning(
+            "%s: not used with a recipe that has train_loop (the loop decides when to report)", ", ".join(ignored)
+        )
 
 
 def check_options(config: TrainConfig, recipe: Any) -> None:

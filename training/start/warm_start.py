@@ -108,8 +108,9 @@ def _partial(report: LoadReport) -> str:
     )
 
 
-def _optimizer_state(config: TrainConfig, peer: PeerCheckpoint, optimizer: torch.optim.Optimizer,
-                     names: list[str]) -> dict[str, Any]:  # fmt: skip
+def _optimizer_state(
+    config: TrainConfig, peer: PeerCheckpoint, optimizer: torch.optim.Optimizer, names: list[str]
+) -> dict[str, Any]:
     """The peer's optimizer state re-keyed to the recipe optimizer's parameters, checked to fit it."""
     try:
         state = optimizer_state_for(peer, names)
@@ -122,8 +123,13 @@ def _optimizer_state(config: TrainConfig, peer: PeerCheckpoint, optimizer: torch
 
 def _load(config: TrainConfig, model: torch.nn.Module, peer: PeerCheckpoint) -> LoadReport:
     try:
-        report = load_into(model, peer.weights.state_dict, strict=config.load_strict,
-                           ignore_keys=config.load_ignore_keys, where=_where(config))  # fmt: skip
+        report = load_into(
+            model,
+            peer.weights.state_dict,
+            strict=config.load_strict,
+            ignore_keys=config.load_ignore_keys,
+            where=_where(config),
+        )
     except WeightsError as exc:
         raise ConfigError(str(exc)) from exc
     if report.stripped_prefix:

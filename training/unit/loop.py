@@ -28,7 +28,7 @@ from training.preemption import Preempted, SaveBudget, Stop
 from training.unit import session as sessions
 from training.unit.checkpointer import Checkpointer
 from training.unit.evaluation import evaluate_model, to_device
-from training.unit.session import SINGLE_PROCESS, Session, World
+from training.unit.session import SINGLE_PROCESS, OriginKind, Session, World
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class UnitResult(BaseModel):
     checkpoint_committed: bool  # False while its background upload is still in flight
     progress: dict[str, int]
     complete: bool
-    origin: str  # where the unit's state came from: "store", "memory", "load_path" or "fresh"
+    origin: OriginKind  # where the unit's state came from
     resumed_from: str  # the same, for people
     steps: int
     attempt: int = 1  # this unit's attempt (a Prefect retry is attempt 2, ...)
@@ -88,8 +88,15 @@ def run_unit(
     unit = unit_index(session.progress, config.interval)
     p = session.progress
     if world.rank == 0:
-        logger.info("unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
-                    unit, attempt, origin.text, p.epoch, p.step, p.samples_seen)  # fmt: skip
+        logger.info(
+            "unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
+            unit,
+            attempt,
+            origin.text,
+            p.epoch,
+            p.step,
+            p.samples_seen,
+        )
     try:
         metrics, steps, stop = _train(config, session, unit, attempt)
         if stop is not None and steps == 0:
@@ -158,9 +165,17 @@ def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[
     logger.info(
         "unit %d done: train_loss %.4f, %.0f samples/s, checkpoint %s (%.1f MB) %s %.2fs; epoch %d, step %d, "
         "%d samples seen",
-        unit, metrics["train_loss"], metrics["samples_per_second"], pending.name, pending.size_bytes / 1e6, how,
-        metrics["checkpoint_seconds"], p.epoch, p.step, p.samples_seen,
-    )  # fmt: skip
+        unit,
+        metrics["train_loss"],
+        metrics["samples_per_second"],
+        pending.name,
+        pending.size_bytes / 1e6,
+        how,
+        metrics["checkpoint_seconds"],
+        p.epoch,
+        p.step,
+        p.samples_seen,
+    )
 
 
 # -- train ----------------------------------------------------------------------------------------
@@ -194,8 +209,16 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int) -> tuple[di
                 break
             if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
                 rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
-                logger.info("unit %d: step %d, epoch %d, sample %d/%d, train_loss %.4f, %.0f samples/s", unit,
-                            p.step, p.epoch, p.sample_in_epoch or epoch_size, epoch_size, losses[-1], rate)  # fmt: skip
+                logger.info(
+                    "unit %d: step %d, epoch %d, sample %d/%d, train_loss %.4f, %.0f samples/s",
+                    unit,
+                    p.step,
+                    p.epoch,
+                    p.sample_in_epoch or epoch_size,
+                    epoch_size,
+                    losses[-1],
+                    rate,
+                )
             if config.inject_fault_at_step == p.step and attempt == 1:
                 raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
             if ends_unit(p, config.interval, config.duration, epoch_ended, global_n):
@@ -242,8 +265,9 @@ def _evaluate(config: TrainConfig, s: Session) -> dict[str, float]:
         )
     out["eval_step"] = float(s.progress.step)
     if s.world.rank == 0:
-        logger.info("evaluation at step %d: %s", s.progress.step,
-                    ", ".join(f"eval_{k} {v:.4f}" for k, v in metrics.items()))  # fmt: skip
+        logger.info(
+            "evaluation at step %d: %s", s.progress.step, ", ".join(f"eval_{k} {v:.4f}" for k, v in metrics.items())
+        )
     return out
 
 

@@ -72,10 +72,24 @@ class LoopContext(RunContext):
 
     attempt: int
 
-    def __init__(self, config: TrainConfig, store: CheckpointStore, *, committer: Committer, generation: int = 0,
-                 attempt: int = 1, world: World = SINGLE_PROCESS, on_report: OnReport | None = None):  # fmt: skip
-        base = RunContext.of(config, rank=world.rank, world_size=world.size, local_rank=world.local_rank,
-                             device=pick_device(config, world))  # fmt: skip
+    def __init__(
+        self,
+        config: TrainConfig,
+        store: CheckpointStore,
+        *,
+        committer: Committer,
+        generation: int = 0,
+        attempt: int = 1,
+        world: World = SINGLE_PROCESS,
+        on_report: OnReport | None = None,
+    ):
+        base = RunContext.of(
+            config,
+            rank=world.rank,
+            world_size=world.size,
+            local_rank=world.local_rank,
+            device=pick_device(config, world),
+        )
         super().__init__(**{name: getattr(base, name) for name in RunContext.__dataclass_fields__})
         self.attempt = attempt
         self._config, self._store, self._committer, self._world = config, store, committer, world
@@ -117,8 +131,15 @@ class LoopContext(RunContext):
         self._progress = self._committed = self._recorded(None)
         return ranks.on_every_rank(lambda: load_path_state(self._config)) if self._config.load_path else None
 
-    def report(self, metrics: Mapping[str, Any], state: Mapping[str, Any] | None = None, *, step: int | None = None,
-               epoch: int | None = None, samples_seen: int | None = None) -> None:  # fmt: skip
+    def report(
+        self,
+        metrics: Mapping[str, Any],
+        state: Mapping[str, Any] | None = None,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        samples_seen: int | None = None,
+    ) -> None:
         """Reports ``metrics``; with ``state`` (tensors and plain containers: ``model.state_dict()``,
         ``optimizer.state_dict()``, counters, a sampler position) also commits it as the run's newest checkpoint.
 
@@ -180,8 +201,16 @@ class LoopContext(RunContext):
         """This rank's share of each global batch of ``global_batch_size`` over a dataset of ``num_samples``, from
         sample ``start`` of epoch ``epoch`` (``ResumableBatchSampler``): save ``epoch`` and the sample position in
         your state and resume exactly, at any world size."""
-        return ResumableBatchSampler(num_samples, self.global_batch_size, seed=self.seed, epoch=epoch, start=start,
-                                     shuffle=shuffle, rank=self.rank, world_size=self.world_size)  # fmt: skip
+        return ResumableBatchSampler(
+            num_samples,
+            self.global_batch_size,
+            seed=self.seed,
+            epoch=epoch,
+            start=start,
+            shuffle=shuffle,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
     # -- the product's side -------------------------------------------------------------------------
     def finish(self) -> UnitResult:
@@ -253,15 +282,22 @@ class LoopContext(RunContext):
 
     def _warn_if_unusual(self, progress: dict[str, int]) -> None:
         if self._at is not None and not self._asked and self._num_reports == 0:
-            logger.warning("train_loop reported without calling ctx.get_checkpoint() although the run has checkpoint "
-                           "%s: its training restarted from scratch while the counters continue", self._at.name)  # fmt: skip
+            logger.warning(
+                "train_loop reported without calling ctx.get_checkpoint() although the run has checkpoint "
+                "%s: its training restarted from scratch while the counters continue",
+                self._at.name,
+            )
         if self.should_stop and progress != self._progress and not self._warned_past_end:
             self._warned_past_end = True
             logger.warning(
                 "train_loop reported epoch %d, step %d, %d samples after max_duration=%s was reached (at epoch %d, "
-                "step %d): the run was already complete; loop while not ctx.should_stop", progress["epoch"],
-                progress["step"], progress["samples_seen"], self.max_duration, *map(self._progress.get, COUNTERS[:2]),
-            )  # fmt: skip
+                "step %d): the run was already complete; loop while not ctx.should_stop",
+                progress["epoch"],
+                progress["step"],
+                progress["samples_seen"],
+                self.max_duration,
+                *map(self._progress.get, COUNTERS[:2]),
+            )
 
     def _log_report(self, values: dict[str, float], progress: dict[str, int], committed: bool) -> None:
         if self._world.rank != 0:
@@ -270,10 +306,19 @@ class LoopContext(RunContext):
         saved = "metrics only"
         if committed and self._last is not None:
             how = "committed in" if self._last.committed else "handed to the upload after"
-            saved = f"checkpoint {self._last.name} ({self._last.size_bytes / 1e6:.1f} MB) {how} " \
-                    f"{values['checkpoint_seconds']:.2f}s"  # fmt: skip
-        logger.info("report %d: %s; %s; epoch %d, step %d, %d samples seen", max(self._report_index, 0), text,
-                    saved, progress["epoch"], progress["step"], progress["samples_seen"])  # fmt: skip
+            saved = (
+                f"checkpoint {self._last.name} ({self._last.size_bytes / 1e6:.1f} MB) {how} "
+                f"{values['checkpoint_seconds']:.2f}s"
+            )
+        logger.info(
+            "report %d: %s; %s; epoch %d, step %d, %d samples seen",
+            max(self._report_index, 0),
+            text,
+            saved,
+            progress["epoch"],
+            progress["step"],
+            progress["samples_seen"],
+        )
 
     def _tell_flow(self, result: UnitResult) -> None:
         if self._on_report is None:
@@ -301,17 +346,35 @@ def load_path_state(config: TrainConfig) -> dict[str, Any]:
     return dict(loaded.objects[STATE_FILE]["state"])
 
 
-def run_custom_loop(config: TrainConfig, *, attempt: int = 1, generation: int = 0, world: World = SINGLE_PROCESS,
-                    cache: SessionCache = PROCESS, on_report: OnReport | None = None) -> UnitResult:  # fmt: skip
+def run_own_loop(
+    config: TrainConfig,
+    *,
+    attempt: int = 1,
+    generation: int = 0,
+    world: World = SINGLE_PROCESS,
+    cache: SessionCache = PROCESS,
+    on_report: OnReport | None = None,
+) -> UnitResult:
     """Runs ``recipe.train_loop(ctx)`` once (an attempt) on this rank and returns the run's newest report."""
     store = open_store(config)
     rng.seed_all(config.seed)  # the loop's fresh initialization: the same on every attempt and every rank
-    ctx = LoopContext(config, store, committer=cache.committer, generation=generation, attempt=attempt,
-                      world=world, on_report=on_report)  # fmt: skip
+    ctx = LoopContext(
+        config,
+        store,
+        committer=cache.committer,
+        generation=generation,
+        attempt=attempt,
+        world=world,
+        on_report=on_report,
+    )
     recipe: Any = load_recipe(config, ctx)
     if world.rank == 0:
-        logger.info("train_loop (attempt %d) on %d process(es): the run's newest report is %s", attempt, world.size,
-                    ctx._at.name if ctx._at else "none (fresh)")  # fmt: skip
+        logger.info(
+            "train_loop (attempt %d) on %d process(es): the run's newest report is %s",
+            attempt,
+            world.size,
+            ctx._at.name if ctx._at else "none (fresh)",
+        )
     try:
         recipe.train_loop(ctx)
         return ctx.finish()

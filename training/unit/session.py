@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -51,11 +51,15 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
+# "store" (downloaded), "memory" (this process's warm state), "load_path" (another run or a weights file), "fresh"
+OriginKind = Literal["store", "memory", "load_path", "fresh"]
+
+
 @dataclass(frozen=True)
 class Origin:
     """Where a unit's state came from: ``kind`` is what code decides on, ``text`` what people read."""
 
-    kind: str  # "store" (downloaded), "memory" (this process's warm state), "load_path", "fresh"
+    kind: OriginKind
     checkpoint: str | None = None
     text: str = "fresh initialization"
 
@@ -131,8 +135,9 @@ def restore(config: TrainConfig, store: CheckpointStore, world: World = SINGLE_P
     return session, origin
 
 
-def _restore_sharded(config: TrainConfig, store: CheckpointStore, world: World, recipe: Any, dataset: Any,
-                     ctx: RunContext) -> tuple[Session, Origin]:  # fmt: skip
+def _restore_sharded(
+    config: TrainConfig, store: CheckpointStore, world: World, recipe: Any, dataset: Any, ctx: RunContext
+) -> tuple[Session, Origin]:
     """parallelism='fsdp': the model is sharded with FSDP2 before its optimizer is built, and checkpoints
     are DCP shards that every rank reads (only what its shards need) and writes in parallel."""
     from training.unit import fsdp
@@ -168,8 +173,13 @@ def _restore_sharded(config: TrainConfig, store: CheckpointStore, world: World, 
     _restore_rng(session, extra.rank, info)
     reposition(config, session)
     if world.rank == 0:
-        logger.info("resharded %s (saved by %s process(es)) onto %d; this rank read %d file(s)", info.name,
-                    info.manifest.metadata.get("world_size"), world.size, len(extra.files_read))  # fmt: skip
+        logger.info(
+            "resharded %s (saved by %s process(es)) onto %d; this rank read %d file(s)",
+            info.name,
+            info.manifest.metadata.get("world_size"),
+            world.size,
+            len(extra.files_read),
+        )
     return session, Origin("store", info.name, f"checkpoint {info.name}")
 
 
@@ -185,8 +195,10 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) ->
     loaded = store.load_latest(files)
     if loaded is not None:
         check_same_run(config, loaded.info)
-        fix = (f"the recipe builds another model or optimizer than the one that wrote it; to train this one, start a "
-               f"new run from its weights: load_path={loaded.info.uri!r} load_weights_only=true load_strict=false")  # fmt: skip
+        fix = (
+            f"the recipe builds another model or optimizer than the one that wrote it; to train this one, start a "
+            f"new run from its weights: load_path={loaded.info.uri!r} load_weights_only=true load_strict=false"
+        )
         _apply(session, loaded, fix)
         reposition(config, session)
         return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
@@ -226,10 +238,13 @@ def _start_from_load_path(config: TrainConfig, session: Session, files: list[str
     reposition(config, session)
     if session.scheduler is not None:
         exact = carry_over.continue_schedule(session.scheduler, session.progress.step)
-        logger.info("load_path: the recipe's %s continues at step %d (learning rate %s)%s",
-                    type(session.scheduler).__name__, session.progress.step,
-                    ", ".join(f"{g['lr']:.6g}" for g in session.optimizer.param_groups),
-                    "" if exact else ": it has no closed form, so only its counter was moved")  # fmt: skip
+        logger.info(
+            "load_path: the recipe's %s continues at step %d (learning rate %s)%s",
+            type(session.scheduler).__name__,
+            session.progress.step,
+            ", ".join(f"{g['lr']:.6g}" for g in session.optimizer.param_groups),
+            "" if exact else ": it has no closed form, so only its counter was moved",
+        )
     return Origin("load_path", None, text)
 
 
@@ -254,8 +269,12 @@ def _restore_rng(session: Session, state: dict[str, Any] | None, info: Any) -> N
         return
     rank = session.world.rank  # the world grew: this rank has no saved stream; derive one from the position
     rng.seed_all(info.progress.get("samples_seen", 0) * 1000 + rank)
-    logger.info("rank %d: %s has no RNG state for this rank (saved with world size %s); seeded a new stream",
-                rank, info.name, info.manifest.metadata.get("world_size"))  # fmt: skip
+    logger.info(
+        "rank %d: %s has no RNG state for this rank (saved with world size %s); seeded a new stream",
+        rank,
+        info.name,
+        info.manifest.metadata.get("world_size"),
+    )
 
 
 def _refuse_sharded(store: CheckpointStore) -> None:
@@ -294,9 +313,17 @@ def reposition(config: TrainConfig, session: Session) -> None:
             "global_batch_size changed %d -> %d: %d samples already trained; epoch %d resumes at sample "
             "%d of %d (nothing repeated or dropped); the step counter, LR schedule and '<n>ba' durations "
             "continue at step %d = %d // %d (was step %d)",
-            old_size, new, p.samples_seen, p.epoch, p.sample_in_epoch, epoch_size, p.step, p.samples_seen, new,
+            old_size,
+            new,
+            p.samples_seen,
+            p.epoch,
+            p.sample_in_epoch,
+            epoch_size,
+            p.step,
+            p.samples_seen,
+            new,
             old_step,
-        )  # fmt: skip
+        )
     p.global_batch_size = new
     requested = requested_data_skip(config)
     if requested is None or requested == session.data_skip_applied:
@@ -304,14 +331,23 @@ def reposition(config: TrainConfig, session: Session) -> None:
         return
     session.data_skip_applied = requested
     if config.ignore_data_skip:
-        logger.info("ignore_data_skip: epoch %d restarts from its first sample (was at sample %d); applied once "
-                    "(recorded in the checkpoint)", p.epoch, p.sample_in_epoch)  # fmt: skip
+        logger.info(
+            "ignore_data_skip: epoch %d restarts from its first sample (was at sample %d); applied once "
+            "(recorded in the checkpoint)",
+            p.epoch,
+            p.sample_in_epoch,
+        )
         p.sample_in_epoch = 0
     elif config.data_skip_steps is not None:
         target = min(config.data_skip_steps * new, epoch_size)
         logger.info(
             "data_skip_steps=%d: epoch %d resumes at sample %d (= %d batches of %d; was sample %d); applied once "
             "(recorded in the checkpoint)",
-            config.data_skip_steps, p.epoch, target, config.data_skip_steps, new, p.sample_in_epoch,
-        )  # fmt: skip
+            config.data_skip_steps,
+            p.epoch,
+            target,
+            config.data_skip_steps,
+            new,
+            p.sample_in_epoch,
+        )
         p.sample_in_epoch = target

@@ -32,8 +32,15 @@ class SessionCache:
 
     @staticmethod
     def key(config: TrainConfig, store: CheckpointStore, name: str, world: World = SINGLE_PROCESS) -> tuple:
-        return (store.uri, name, config.fingerprint(), config.global_batch_size, config.parallelism, world,
-                str(pick_device(config, world)))  # fmt: skip
+        return (
+            store.uri,
+            name,
+            config.fingerprint(),
+            config.global_batch_size,
+            config.parallelism,
+            world,
+            str(pick_device(config, world)),
+        )
 
     def peek(self, config: TrainConfig, store: CheckpointStore, name: str) -> Session | None:
         """The kept session if it is clean at checkpoint ``name`` of this run and config (not taken out)."""
