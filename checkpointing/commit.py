@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from checkpointing.manifest import Writer
 from checkpointing.serialization import serialize
@@ -176,6 +176,14 @@ def commit_sharded(terms: CommitTerms, state_dict: dict[str, Any], files: dict[s
     return PendingCommit.of(info)
 
 
+class Background(Protocol):
+    """What the committer waits for besides its own uploads: the snapshot pipeline (checkpointing/snapshots.py)."""
+
+    def wait(self, timeout: float | None = None) -> None: ...
+    def in_flight(self) -> str | None: ...
+    def close(self) -> None: ...
+
+
 class Committer:
     """Commits checkpoints of one process: now (``commit``) or on a background thread (``submit``)."""
 
@@ -184,6 +192,26 @@ class Committer:
         self._lock = threading.Lock()
         self._pending: PendingCommit | None = None
         self._pending_store_uri: str | None = None
+        self.snapshots: Background | None = None  # the run's snapshot pipeline (checkpointing/snapshots.py)
+        self._snapshots_key: tuple[Any, ...] = ()
+
+    def snapshot_pipeline(self, key: tuple[Any, ...], make: Callable[[], Background]) -> Background:
+        """The snapshot pipeline of ``key`` (a run and rank), made once; another run's is finished and closed first."""
+        if self.snapshots is not None and self._snapshots_key != key:
+            self.drop_snapshots()
+        if self.snapshots is None:
+            self.snapshots, self._snapshots_key = make(), key
+        return self.snapshots
+
+    def drop_snapshots(self) -> None:
+        """Lets the pipeline's uploads land (or fail, logged), then closes it."""
+        pipeline, self.snapshots, self._snapshots_key = self.snapshots, None, ()
+        if pipeline is not None:
+            try:
+                pipeline.wait()
+            except Exception as exc:
+                log.warning("a snapshot upload failed: %s: %s", type(exc).__name__, exc)
+            pipeline.close()
 
     def commit(self, request: CommitRequest) -> PendingCommit:
         """Commits ``request`` before returning (after any commit still in flight)."""
@@ -208,6 +236,10 @@ class Committer:
 
     def in_flight(self, store_uri: str) -> str | None:
         """The name of the checkpoint of that store being uploaded now, if any."""
+        if self.snapshots is not None and self._snapshots_key[:1] == (store_uri,):
+            name = self.snapshots.in_flight()
+            if name is not None:
+                return name
         with self._lock:
             pending = self._pending
             same_store = self._pending_store_uri == store_uri
@@ -216,6 +248,8 @@ class Committer:
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Blocks until the commit in flight (if any) is done; re-raises its error. With ``timeout``, a commit
         still in flight after that long raises TimeoutError and stays in flight."""
+        if self.snapshots is not None:
+            self.snapshots.wait(timeout)
         with self._lock:
             pending = self._pending
         if pending is None:

@@ -80,3 +80,7 @@ class UnsafePathError(FileNotFoundError):
 class LinkedLocationError(RuntimeError, Permanent):
     """A location a run's parameters chose became (or holds) a symbolic link below the worker's allowed root: never
     followed, and permanent (no retry makes it a real folder again)."""
+
+
+class TierUnavailable(Exception):
+    """The host-memory tier cannot be used here (the message says why); training goes on without it."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -42,6 +44,11 @@ TEST_RECIPES = ",".join(
     ]
 )
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES
+# Snapshots that the host-memory tier keeps (checkpointing/host_tier.py) go to this session's own folder, not /dev/shm:
+# a killed test run leaves nothing behind on the machine.
+HOST_TIER_DIR = tempfile.mkdtemp(prefix="host-tier-")
+os.environ["TRAIN_HOST_TIER_DIR"] = HOST_TIER_DIR
+atexit.register(shutil.rmtree, HOST_TIER_DIR, True)
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +68,7 @@ def prefect_env(prefect_harness) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
     env.update(
         TRAIN_ALLOWED_RECIPES=TEST_RECIPES,
+        TRAIN_HOST_TIER_DIR=HOST_TIER_DIR,
         PREFECT_API_URL=PREFECT_API_URL.value(),
         PREFECT_HOME=_PREFECT_HOME,
         PYTHONPATH=str(ROOT),

@@ -160,6 +160,21 @@ class TrainConfig(BaseSettings):
         "Put credentials in the standard AWS variables or profile; these options are never logged "
         "and never sent to the Prefect API as a parameter.",
     )
+    snapshot_interval: Annotated[str | None, optional_duration_validator("snapshot_interval")] = Field(
+        None,
+        description="Take a snapshot every '<n>ba', '<n>sp' or '<n>ep' inside a unit as well as at its end: the state "
+        "is copied into reused host buffers (the only stall) and committed in the background; the newest one stays "
+        "in this machine's shared memory, so a relaunch here after a hard kill loses at most that interval ('1ba': "
+        "one step). The store gets the newest snapshot each time its previous upload is done. Default: at unit ends "
+        "only.",
+    )
+    host_memory_tier: bool = Field(
+        True,
+        description="Keep the run's newest snapshots in this machine's shared memory (/dev/shm, private to your "
+        "user; TRAIN_HOST_TIER_DIR in the worker's environment picks another folder), where a relaunch on the same "
+        "machine resumes from them when they are newer than the store's; removed when the run completes. false: "
+        "snapshots are held in private memory only.",
+    )
     async_upload: bool | None = Field(
         None,
         description="Upload checkpoints in the background while the next unit trains. Default: on for "
@@ -312,6 +327,11 @@ class TrainConfig(BaseSettings):
                 "save_network_weights=True with parallelism='fsdp': the weights are shards of every process; export "
                 "a checkpoint's whole weights with python -m checkpointing export <checkpoint URI> <file>"
             )
+        if self.snapshot_interval is not None and self.parallelism == "fsdp":
+            raise ValueError(
+                f"snapshot_interval={self.snapshot_interval!r} with parallelism='fsdp': sharded checkpoints are "
+                f"written at unit ends only; make units shorter (save_interval) or leave snapshot_interval out"
+            )
         self.save_folder = format_save_folder(self.save_folder, self.run_name)
         return self
 
@@ -347,6 +367,11 @@ class TrainConfig(BaseSettings):
         if self.eval_interval is not None:
             return Duration.parse(self.eval_interval)
         return self.interval if self.eval_each_unit else None
+
+    @property
+    def snapshot_every(self) -> Duration | None:
+        """How often to snapshot inside a unit (None: at its end only)."""
+        return Duration.parse(self.snapshot_interval) if self.snapshot_interval is not None else None
 
     def fingerprint(self) -> str:
         """Hash of what defines the model and data order (not durations, batch size or storage)."""

@@ -10,6 +10,8 @@ rank writes its own shards.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,12 +20,17 @@ from typing import Any
 from checkpointing import CheckpointStore, Writer, ranks
 from checkpointing import commit as commits
 from checkpointing.commit import Committer, CommitTerms, PendingCommit, Retention
+from checkpointing.host_tier import HostTier, TierUnavailable
+from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline
 from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
 from training.start.identity import run_identity
 from training.unit import rng
+from training.unit.host_memory import claim_of
 from training.unit.session import SINGLE_PROCESS, Session, World, rng_file
 from training.unit.state import SMALL
+
+logger = logging.getLogger(__name__)
 
 Snapshot = Callable[[], dict[str, Any]]  # file name -> object for torch.save, taken when the commit starts
 
@@ -54,6 +61,8 @@ class Checkpointer:
         self.writer = Writer.current(generation)
         self.retention = retention(config)
         self.background = use_async_upload(config, store) and world.size == 1  # it needs one process's next unit
+        self.snapshots = self._pipeline() if world.size == 1 and config.parallelism != "fsdp" else None
+        self._claim: dict[str, Any] | None = None
 
     def save(self, s: Session, metrics: Mapping[str, float]) -> Saved:
         """A unit's checkpoint: the session's state bundle, its progress and every rank's RNG state. Every rank calls
@@ -68,7 +77,30 @@ class Checkpointer:
             objects.update({rng_file(r): state for r, state in enumerate(rng_states)})
             return objects
 
+        self._hook(s)
         return self._commit(s.progress.as_dict(), snapshot, self.metadata(metrics, s))
+
+    def snapshot(self, s: Session, metrics: Mapping[str, float]) -> float | None:
+        """A snapshot inside a unit (``snapshot_interval``): into host memory now, to the store when the upload before
+        it is done. Returns the stall, or None where snapshots inside a unit are not taken (several processes)."""
+        if self.snapshots is None:
+            return None
+        s.rng_state = rng.capture()
+        progress = s.progress.as_dict()
+        objects = {STATE_FILE: {"state": s.state.state_dict(), "progress": progress}, rng_file(0): s.rng_state}
+        metadata = {**self.metadata(metrics, s), INTERMEDIATE: True}
+        self._hook(s)
+        try:
+            return self._take(progress, objects, metadata, must_upload=False).seconds
+        except TypeError as exc:
+            self._fall_back(exc)
+            return None
+
+    def finish(self) -> None:
+        """The run is complete: its last checkpoint committed, its snapshots leave this machine's memory."""
+        self.committer.wait()
+        if self.snapshots is not None:
+            self.snapshots.remove_tier()
 
     def save_report(
         self, state: Mapping[str, Any], progress: dict[str, int], metrics: Mapping[str, float], report: int
@@ -108,7 +140,19 @@ class Checkpointer:
         return Saved(PendingCommit.of(info), seconds)
 
     def _send(self, progress: dict[str, int], snapshot: Snapshot, metadata: dict[str, Any]) -> Saved:
-        """The stall training sees: the snapshot (serialized, for a background upload), and a commit made now."""
+        """The stall training sees: a copy into host memory (then committed in the background; waited for here when
+        uploads are not asynchronous), or, without snapshots, the serialization or the whole commit."""
+        if self.snapshots is not None:
+            try:
+                taken = self._take(progress, snapshot(), metadata, must_upload=True)
+            except TypeError as exc:
+                self._fall_back(exc)
+            else:
+                if self.background:
+                    return Saved(taken.pending, taken.seconds)
+                t0 = time.perf_counter()
+                taken.pending.wait()
+                return Saved(taken.pending, taken.seconds + time.perf_counter() - t0)
         t0 = time.perf_counter()
         terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
         request = commits.request(
@@ -116,6 +160,42 @@ class Checkpointer:
         )
         pending = self.committer.send(request)
         return Saved(pending, time.perf_counter() - t0)
+
+    def _take(
+        self, progress: dict[str, int], objects: dict[str, Any], metadata: dict[str, Any], must_upload: bool
+    ) -> Any:
+        assert self.snapshots is not None
+        terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
+        name = self.store._name_for(progress, self.writer.generation)
+        if self._claim is None:
+            self._claim = claim_of(self.store, self.writer.generation)
+        return self.snapshots.take(
+            objects,
+            terms,
+            name,
+            must_upload=must_upload,
+            network_weights=self.config.save_network_weights,
+            claim=self._claim,
+        )
+
+    def _pipeline(self) -> SnapshotPipeline:
+        key = (self.store.uri, self.world.rank, self.config.host_memory_tier)
+        pipeline = self.committer.snapshot_pipeline(key, lambda: open_pipeline(self.store, self.world.rank, self.config))
+        assert isinstance(pipeline, SnapshotPipeline)
+        return pipeline
+
+    def _hook(self, s: Session) -> None:
+        """The next ``optimizer.step()`` waits (on the GPU) for a snapshot's copy of what it changes."""
+        pipeline = self.snapshots
+        if pipeline is None or s.device.type != "cuda" or getattr(s.optimizer, "_snapshot_hooked", None) is pipeline:
+            return
+        s.optimizer.register_step_pre_hook(lambda *_: pipeline.before_step())
+        s.optimizer._snapshot_hooked = pipeline  # type: ignore[attr-defined]
+
+    def _fall_back(self, exc: TypeError) -> None:
+        logger.warning("snapshots off for this run: %s; checkpoints are serialized on the training thread", exc)
+        self.snapshots = None
+        self.committer.drop_snapshots()
 
     def _save_shards(self, s: Session, metrics: Mapping[str, float]) -> Saved:
         """parallelism='fsdp': every rank writes its shards and its RNG state; rank 0 commits after all reported
@@ -127,6 +207,24 @@ class Checkpointer:
         extra = {**s.state.state_dict(SMALL), "progress": s.progress.as_dict()}
         pending = fsdp.save_sharded(terms, s.model, s.optimizer, extra, rng.capture())
         return Saved(pending, time.perf_counter() - t0)
+
+
+def open_pipeline(store: CheckpointStore, rank: int, config: TrainConfig) -> SnapshotPipeline:
+    """The snapshot pipeline of a run on this process: slots in the host-memory tier, or private ones."""
+    tier = None
+    if config.host_memory_tier:
+        try:
+            tier = HostTier(store.uri, rank)
+        except TierUnavailable as exc:
+            logger.warning("host-memory tier off for this run: %s; snapshots stay in private memory", exc)
+    return SnapshotPipeline(store.uri, rank, tier)
+
+
+def discard_host_snapshots(store: CheckpointStore, committer: Committer) -> None:
+    """The run starts over or rolls back: snapshots in this machine's memory must not be resumed from."""
+    committer.drop_snapshots()
+    with contextlib.suppress(TierUnavailable):
+        HostTier(store.uri).remove()
 
 
 def retention(config: TrainConfig) -> Retention:

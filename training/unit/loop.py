@@ -98,12 +98,12 @@ def run_unit(
             p.samples_seen,
         )
     try:
-        metrics, steps, stop = _train(config, session, unit, attempt)
+        checkpointer = Checkpointer(config, store, cache.committer, generation=generation, world=world)
+        metrics, steps, stop = _train(config, session, unit, attempt, checkpointer)
         if stop is not None and steps == 0:
             raise _preempted(stop, origin.checkpoint, session, None, cache)
         if stop is not None and not budget.fits(stop):
             raise _preempted(stop, origin.checkpoint, session, None, cache, budget.why_not(stop))
-        checkpointer = Checkpointer(config, store, cache.committer, generation=generation, world=world)
         saved = checkpointer.save(session, metrics)
         pending, stall = saved.pending, saved.seconds
         metrics = {**metrics, "checkpoint_seconds": stall}
@@ -112,7 +112,7 @@ def run_unit(
         if stop is not None:
             raise _preempted(stop, pending.name, session, stall, cache)
         if is_complete(session.progress, config.duration):
-            cache.committer.wait()  # the run is done only when its last checkpoint is committed
+            checkpointer.finish()  # the run is done only when its last checkpoint is committed
     except BaseException:
         cache.release(session)  # a failed attempt's state must not leak into the retry
         raise
@@ -179,13 +179,18 @@ def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[
 
 
 # -- train ----------------------------------------------------------------------------------------
-def _train(config: TrainConfig, s: Session, unit: int, attempt: int) -> tuple[dict[str, float], int, Stop | None]:
-    """Trains to the end of the unit, or to the step boundary where a stop was agreed (returned)."""
+def _train(
+    config: TrainConfig, s: Session, unit: int, attempt: int, checkpointer: Checkpointer
+) -> tuple[dict[str, float], int, Stop | None]:
+    """Trains to the end of the unit, or to the step boundary where a stop was agreed (returned), taking the
+    snapshots of ``snapshot_interval`` on the way."""
     p, epoch_size = s.progress, len(s.dataset)
     s.model.train()
     losses: list[float] = []
     norms: list[float] = []
+    stalls: list[float] = []
     evaluated: dict[str, float] = {}
+    snapshot_every = config.snapshot_every
     start_samples, t0 = p.samples_seen, time.perf_counter()
     stop = preemption.agreed_stop(s.world.size)  # asked during start-up: nothing trained, nothing to save
     while stop is None and not is_complete(p, config.duration):
@@ -219,10 +224,14 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int) -> tuple[di
                     losses[-1],
                     rate,
                 )
-            if config.inject_fault_at_step == p.step and attempt == 1:
-                raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
             if ends_unit(p, config.interval, config.duration, epoch_ended, global_n):
                 unit_over = True
+            elif snapshot_every is not None and crossed(p, snapshot_every, epoch_ended, global_n):
+                stall = checkpointer.snapshot(s, {"train_loss": sum(losses) / len(losses), **evaluated})
+                stalls.extend([stall] if stall is not None else [])
+            if config.inject_fault_at_step == p.step and attempt == 1:
+                raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
+            if unit_over:
                 break
             stop = preemption.agreed_stop(s.world.size)
             if stop is not None:
@@ -237,6 +246,7 @@ def _train(config: TrainConfig, s: Session, unit: int, attempt: int) -> tuple[di
         "train_seconds": seconds,
         "samples_per_second": trained / max(seconds, 1e-9),
         **({"grad_norm": sum(norms) / len(norms)} if norms else {}),
+        **({"snapshots": float(len(stalls)), "snapshot_seconds_max": max(stalls)} if stalls else {}),
         **evaluated,
     }
     return metrics, len(losses), stop

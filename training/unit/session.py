@@ -26,6 +26,7 @@ from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint
 from training.start.warm_start import load_start, load_weights
 from training.unit import rng
+from training.unit.host_memory import newest_snapshot
 from training.unit.state import SMALL, TrainState
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
-# "store" (downloaded), "memory" (this process's warm state), "load_path" (another run or a weights file), "fresh"
-OriginKind = Literal["store", "memory", "load_path", "fresh"]
+# "store" (downloaded), "memory" (this process's warm state), "host" (a snapshot in this machine's shared memory, newer
+# than the store's), "load_path" (another run or a weights file), "fresh"
+OriginKind = Literal["store", "memory", "host", "load_path", "fresh"]
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,8 @@ def _sharded_scaler() -> Any:
 def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) -> Origin:
     files = [STATE_FILE, session.world.rng_file]
     _refuse_sharded(store)
-    loaded = store.load_latest(files)
+    in_memory = newest_snapshot(config, store) if session.world.size == 1 else None
+    loaded = in_memory or store.load_latest(files)
     if loaded is not None:
         check_same_run(config, loaded.info)
         fix = (
@@ -201,6 +204,8 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) ->
         )
         _apply(session, loaded, fix)
         reposition(config, session)
+        if in_memory is not None:
+            return Origin("host", loaded.info.name, f"snapshot {loaded.info.name} in this machine's memory")
         return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
     if config.load_path:
         return _start_from_load_path(config, session, files)

@@ -1,0 +1,480 @@
+"""Checkpoints at the cost of a memory copy: the training thread copies the state into reused host buffers and goes
+on; checksums, the host-memory tier's record and the upload to the store happen on two background threads.
+
+``SnapshotPipeline.take`` is the whole stall: the state's tensors are copied into a slot (CPU tensors with one
+``copy_`` each; CUDA tensors on a side stream into pinned memory, the copy overlapping the next forward and
+backward: ``before_step`` makes the next ``optimizer.step()`` wait for it on the GPU, not on the host). Then:
+
+1. the publish thread waits for the copy, checksums the slot and writes its record (checkpointing/host_tier.py):
+   from then on a relaunch on this machine can resume from it;
+2. the upload thread commits the newest published slot to the store through the one commit path (files ->
+   manifest -> ``latest``: ``commit._commit_and_prune``), streaming ``torch.save`` straight from the slot. While one
+   upload runs, newer snapshots keep reaching the host-memory tier; the store gets the newest one when the upload
+   is done, so it is never more than one upload behind. A snapshot taken ``must_upload`` (a unit's last, a
+   preemption's) is always uploaded, and its ``PendingCommit`` reports it.
+
+Slots (at most three, allocated as needed, each the size of the state): the newest published one is never written
+(a kill during a copy leaves it whole), the one being uploaded is never written, the one queued for a must-upload
+is never written; a copy goes to any other. Three cover every case; two suffice when uploads keep pace. When all
+three are held, the copy waits for the upload (counted in the stall, and logged).
+
+Without the tier (turned off, or ``/dev/shm`` short or not private) the slots are private memory: the same copy,
+the same background commit, nothing that survives the process.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from checkpointing.commit import CommitRequest, CommitTerms, PendingCommit, _commit_and_prune, with_network_weights
+from checkpointing.host_tier import (
+    MAX_SLOTS,
+    TENSOR_MARK,
+    HostTier,
+    Record,
+    Slot,
+    TensorEntry,
+    TierUnavailable,
+    checksum,
+    layout,
+)
+
+log = logging.getLogger(__name__)
+
+INTERMEDIATE = "within_unit"  # manifest metadata key: a snapshot taken inside a unit (superseded ones are deleted)
+
+
+# -- the state, split into tensors and the rest ------------------------------------------------------------
+@dataclass
+class Flat:
+    """A state tree with its tensors taken out: ``tree`` holds ``{TENSOR_MARK: i}`` where tensor ``i`` was (a tensor
+    met twice, tied weights say, is one entry), and fresh containers, so training may change the original ones."""
+
+    tree: Any
+    tensors: list[torch.Tensor]
+
+
+def flatten(objects: Any) -> Flat:
+    tensors: list[torch.Tensor] = []
+    seen: dict[tuple, int] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            if node.layout != torch.strided or node.is_meta or type(node) not in (torch.Tensor, torch.nn.Parameter):
+                raise TypeError(f"a {type(node).__name__} ({node.layout}) cannot be snapshotted into host buffers")
+            key = (
+                node.untyped_storage().data_ptr(),
+                node.storage_offset(),
+                tuple(node.shape),
+                node.stride(),
+                node.dtype,
+                node.device,
+            )
+            if key not in seen:
+                seen[key] = len(tensors)
+                tensors.append(node.detach())
+            return {TENSOR_MARK: seen[key]}
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, tuple):
+            return tuple(walk(v) for v in node)
+        return node
+
+    return Flat(walk(objects), tensors)
+
+
+def rebuild(tree: Any, tensors: list[Any]) -> Any:
+    if isinstance(tree, dict):
+        if len(tree) == 1 and TENSOR_MARK in tree:
+            return tensors[tree[TENSOR_MARK]]
+        return {k: rebuild(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [rebuild(v, tensors) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(rebuild(v, tensors) for v in tree)
+    return tree
+
+
+# -- the pipeline ------------------------------------------------------------------------------------------
+@dataclass
+class _Job:
+    """A snapshot in a slot: published (``record``), then perhaps uploaded."""
+
+    slot: Slot
+    terms: CommitTerms
+    name: str
+    entries: list[TensorEntry]
+    tree: Any
+    must_upload: bool
+    network_weights: bool
+    pending: PendingCommit
+    claim: dict[str, Any]  # the store's claim of the writer's generation: a relaunch checks it is still there
+    seq: int = 0
+    event: Any = None  # the CUDA copy's event
+    published: bool = False
+
+
+@dataclass
+class Taken:
+    """What ``take`` gave back: the snapshot's commit (reported once uploaded, for ``must_upload``) and the stall."""
+
+    pending: PendingCommit
+    seconds: float
+    waited_for_upload: float = 0.0
+
+
+@dataclass
+class Usage:
+    """Host memory the pipeline holds, for people and benchmarks."""
+
+    slots: int = 0
+    bytes: int = 0
+    shared: bool = False
+    pinned: bool = False
+    tier_path: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+class SnapshotPipeline:
+    """Snapshots of one run from one process (one rank). ``tier``: the host-memory tier, or None for private slots."""
+
+    def __init__(self, store_uri: str, rank: int, tier: HostTier | None):
+        self.store_uri, self.rank, self.tier = store_uri, rank, tier
+        self._slots: dict[int, Slot] = {}
+        self._lock = threading.Condition()
+        self._newest: _Job | None = None  # published, newest
+        self._uploading: _Job | None = None
+        self._queued: _Job | None = None  # must upload, waiting for the upload thread
+        self._offered: _Job | None = None  # newest published, may upload
+        self._uploaded_seq = -1
+        self._failure: BaseException | None = None
+        self._publishing: Future[None] | None = None
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="snapshot-publish")
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="snapshot-upload")
+        self._stream: Any = None
+        self._copy_event: Any = None
+        self._warned: set[str] = set()
+        self.usage = Usage(shared=tier is not None, tier_path=tier.path if tier else "")
+        self._seq = 1 + max((r.seq for _, r in tier.records(rank)), default=0) if tier else 0
+        self._held_by_tier = self._newest_on_disk() if tier else None
+
+    # -- the training thread ------------------------------------------------------------------------
+    def take(
+        self,
+        objects: dict[str, Any],
+        terms: CommitTerms,
+        name: str,
+        *,
+        must_upload: bool,
+        network_weights: bool = False,
+        claim: dict[str, Any] | None = None,
+    ) -> Taken:
+        """Copies ``objects`` (file name -> object for ``torch.save``) into a slot and hands it to the background.
+        TypeError when the state holds tensors that cannot be copied this way (the caller commits it the old way)."""
+        t0 = time.perf_counter()
+        flat = flatten(objects)
+        self._wait_published()
+        waited = 0.0
+        with self._lock:
+            index = self._free_slot()
+            while index is None:  # newest, uploading and queued hold all three: the upload must finish first
+                w0 = time.perf_counter()
+                self._lock.wait()
+                waited += time.perf_counter() - w0
+                index = self._free_slot()
+        if waited:
+            log.info("snapshot %s waited %.2fs for the upload before it (all %d slots held)", name, waited, MAX_SLOTS)
+        nbytes = [t.numel() * t.element_size() for t in flat.tensors]
+        offsets, size = layout(nbytes)
+        slot = self._slot(index, size, pin=any(t.is_cuda for t in flat.tensors))
+        if self.tier is not None and slot.shared:
+            self.tier.invalidate(index)
+        entries = [
+            TensorEntry(o, str(t.dtype).removeprefix("torch."), tuple(t.shape), n)
+            for o, t, n in zip(offsets, flat.tensors, nbytes, strict=True)
+        ]
+        event = self._copy(flat.tensors, [slot.tensor(e) for e in entries], slot)
+        pending = PendingCommit(name, terms.store.storage.uri(f"checkpoints/{name}"), sum(nbytes), dict(terms.progress))
+        pending.metadata = dict(terms.metadata)
+        job = _Job(
+            slot, terms, name, entries, flat.tree, must_upload, network_weights, pending, claim or {}, event=event
+        )
+        with self._lock:
+            job.seq, self._seq = self._seq, self._seq + 1
+        self._publishing = self._publisher.submit(self._publish, job)
+        return Taken(pending, time.perf_counter() - t0, waited)
+
+    def before_step(self) -> None:
+        """Called before ``optimizer.step()``: the GPU waits for the snapshot copy of the parameters it will change."""
+        event, self._copy_event = self._copy_event, None
+        if event is not None:
+            torch.cuda.current_stream(self._stream.device).wait_event(event)
+
+    def _copy(self, sources: list[torch.Tensor], targets: list[torch.Tensor], slot: Slot) -> Any:
+        on_gpu = [(s, t) for s, t in zip(sources, targets, strict=True) if s.is_cuda]
+        for s, t in zip(sources, targets, strict=True):
+            if not s.is_cuda:
+                t.copy_(s)
+        if not on_gpu:
+            return None
+        device = on_gpu[0][0].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))  # the state as the last step left it
+        with torch.cuda.stream(self._stream):
+            for s, t in on_gpu:
+                t.copy_(s, non_blocking=True)
+                s.record_stream(self._stream)  # a temporary's memory is not reused before the copy read it
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        self._copy_event = event
+        return event
+
+    def _free_slot(self) -> int | None:
+        held = {j.slot.index for j in (self._newest, self._uploading, self._queued) if j is not None}
+        if self._held_by_tier is not None:
+            held.add(self._held_by_tier)
+        for index in range(MAX_SLOTS):
+            if index not in held:
+                return index
+        return None
+
+    def _slot(self, index: int, size: int, pin: bool) -> Slot:
+        slot = self._slots.get(index)
+        if slot is not None and slot.size >= size:
+            return slot
+        if slot is not None:
+            self._unpin(slot)
+        size = size + size // 16  # room for a state that grows a little (an optimizer's lazily made buffers)
+        slot = None
+        if self.tier is not None:
+            try:
+                slot = self.tier.allocate(index, size)
+            except TierUnavailable as exc:
+                self._warn("tier", f"host-memory tier off for this run: {exc}; snapshots stay in private memory")
+                self.tier, self.usage.shared, self.usage.tier_path = None, False, ""
+        if slot is None:
+            slot = Slot.private(index, size)
+        if pin:
+            self._pin(slot)
+        self._slots[index] = slot
+        self.usage.slots, self.usage.bytes = len(self._slots), sum(s.size for s in self._slots.values())
+        return slot
+
+    def _pin(self, slot: Slot) -> None:
+        """Page-locks a slot for CUDA copies (cudaHostRegister), once; without it a copy from the GPU is synchronous."""
+        ptr = torch.frombuffer(slot.buffer, dtype=torch.uint8).data_ptr()
+        code = torch.cuda.cudart().cudaHostRegister(ptr, slot.size, 0)
+        if int(code) != 0:
+            self._warn(
+                "pin",
+                f"pinning {slot.size / 1e6:.0f} MB of snapshot buffers failed ({code}); copies from "
+                "the GPU will block training",
+            )
+            return
+        slot.registered_ptr = ptr
+        self.usage.pinned = True
+
+    def _unpin(self, slot: Slot) -> None:
+        if slot.registered_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(slot.registered_ptr)
+            slot.registered_ptr = None
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self.usage.notes.append(message)
+            log.warning(message)
+
+    def _wait_published(self) -> None:
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            try:
+                publishing.result()
+            except Exception as exc:  # the slot stays unpublished: the tier keeps the one before it
+                log.warning("snapshot could not be published to the host-memory tier: %s: %s", type(exc).__name__, exc)
+
+    # -- the publish thread -------------------------------------------------------------------------
+    def _publish(self, job: _Job) -> None:
+        if job.event is not None:
+            job.event.synchronize()
+        if self.tier is not None and job.slot.shared:
+            buffer = io.BytesIO()
+            torch.save(job.tree, buffer)
+            tree = buffer.getvalue()
+            used = max((e.offset + e.nbytes for e in job.entries), default=0)
+            record = Record(
+                name=job.name,
+                progress=dict(job.terms.progress),
+                metadata={**job.terms.metadata, "claim": job.claim},
+                generation=job.terms.writer.generation,
+                seq=job.seq,
+                tensors=job.entries,
+                data_bytes=used,
+                data_xxh=checksum(memoryview(job.slot.buffer)[:used]),
+                tree_xxh=checksum(tree),
+                store_uri=self.store_uri,
+            )
+            self.tier.publish(job.slot, record, tree)
+        with self._lock:
+            job.published = True
+            self._newest = job
+            self._held_by_tier = None  # from now on this process's own snapshots say which slot is newest
+            if job.must_upload:
+                if self._queued is not None:  # an older must-upload still waiting: this one is newer and carries it
+                    self._settle(self._queued, superseded_by=job)
+                self._queued = job
+            else:
+                self._offered = job
+            self._pump()
+            self._lock.notify_all()
+
+    # -- the upload thread --------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Starts the next upload if none runs (lock held): a queued must-upload first, else the newest offered."""
+        if self._uploading is not None:
+            return
+        job = self._queued or self._offered
+        if job is self._offered and job is not None and job.seq <= self._uploaded_seq:
+            job = None
+        if job is None:
+            return
+        if job is self._queued:
+            self._queued = None
+        if self._offered is not None and self._offered.seq <= job.seq:
+            self._offered = None
+        self._uploading = job
+        self._uploader.submit(self._upload, job)
+
+    def _upload(self, job: _Job) -> None:
+        error: BaseException | None = None
+        info = None
+        try:
+            entries = [job.slot.tensor(e) for e in job.entries]
+            objects = rebuild(job.tree, entries)
+            if job.network_weights:
+                objects = with_network_weights(objects)
+            t = job.terms
+            request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, t.retention, {}, objects)
+            t0 = time.perf_counter()
+            info = _commit_and_prune(request)
+            log.info(
+                "snapshot %s committed to the store from host memory: %.1f MB in %.2fs",
+                job.name,
+                info.size_bytes / 1e6,
+                time.perf_counter() - t0,
+            )
+            _delete_superseded(t.store, info)
+        except BaseException as exc:
+            error = exc
+            if job.must_upload:
+                log.warning("upload of snapshot %s failed: %s: %s", job.name, type(exc).__name__, exc)
+            else:  # a newer snapshot will be uploaded; the host-memory tier still holds this one
+                log.warning("upload of intermediate snapshot %s failed (a newer one follows): %s", job.name, exc)
+        finally:
+            with self._lock:
+                self._uploading = None
+                if error is None:
+                    self._uploaded_seq = max(self._uploaded_seq, job.seq)
+                elif job.must_upload:
+                    self._failure = error
+                self._settle(job, error=error, info=info)
+                self._pump()
+                self._lock.notify_all()
+
+    def _settle(
+        self, job: _Job, *, error: BaseException | None = None, info: Any = None, superseded_by: Any = None
+    ) -> None:
+        future = job.pending._future
+        if future.done():
+            return
+        if superseded_by is not None:  # carried by a newer must-upload: reported when that one is committed
+            superseded_by.pending._future.add_done_callback(lambda f: _copy_outcome(f, future))
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(info)
+
+    # -- waiting, and the end ---------------------------------------------------------------------------
+    def in_flight(self) -> str | None:
+        """The newest snapshot that must reach the store and has not yet (the name a next unit starts from)."""
+        with self._lock:
+            jobs = [j for j in (self._queued, self._uploading) if j is not None and j.must_upload]
+        return max(jobs, key=lambda j: j.seq).name if jobs else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every must-upload snapshot taken so far is committed; re-raises the failure of one that was
+        not. TimeoutError after ``timeout`` seconds (the uploads go on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        publishing = self._publishing
+        if publishing is not None:
+            publishing.result(timeout=timeout)
+        with self._lock:
+            while self._queued is not None or (self._uploading is not None and self._uploading.must_upload):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("the snapshot upload is still in flight")
+                self._lock.wait(left)
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def remove_tier(self) -> None:
+        """The run completed: its snapshots leave this machine's memory."""
+        if self.tier is not None:
+            self.tier.remove()
+            self.tier = None
+
+    def close(self) -> None:
+        self._publisher.shutdown(wait=True)
+        self._uploader.shutdown(wait=True)
+        for slot in self._slots.values():
+            self._unpin(slot)
+        self._slots.clear()
+        if self.tier is not None:
+            self.tier.close()
+
+    def _newest_on_disk(self) -> int | None:
+        """A relaunched process: the slot holding the newest record a dead process left (never overwritten first)."""
+        assert self.tier is not None
+        records = list(self.tier.records(self.rank))
+        return max(records, key=lambda r: r[1].seq)[0] if records else None
+
+
+def _copy_outcome(source: Future[Any], target: Future[Any]) -> None:
+    if target.done():
+        return
+    if source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
+
+
+def _delete_superseded(store: Any, newest: Any) -> None:
+    """Deletes this writer's intermediate snapshots older than ``newest`` (just committed): each was the newest state
+    only until the next one, and a run with a snapshot every step would otherwise keep thousands. Another writer's
+    (a roll-back's record, say) are left alone."""
+    try:
+        infos = store.list()
+    except Exception:  # best-effort; the next commit tries again
+        return
+    names = [i.name for i in infos]
+    if newest.name not in names:
+        return
+    generation = newest.manifest.writer.generation
+    for info in infos[: names.index(newest.name)]:
+        if info.manifest.metadata.get(INTERMEDIATE) and info.manifest.writer.generation == generation:
+            try:
+                store.delete(info.name)
+            except Exception as exc:
+                log.info("could not delete superseded snapshot %s: %s", info.name, exc)
