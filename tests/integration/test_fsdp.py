@@ -39,7 +39,9 @@ def torchrun(
     spec = {"save_folder": save_folder, "run_name": "r", "result": str(result), "ops": ops, "device": device}
     plan.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # The checkout first; a PYTHONPATH already set stays after it (packages carried outside site-packages, as on a
+    # bare GPU machine: scripts/gpu_check.sh).
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     if options:
         env["TRAIN_STORAGE_OPTIONS"] = json.dumps(options)  # the endpoint travels by environment, not argv
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
