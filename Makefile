@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-slow test-system lint format bench s3 clean
+.PHONY: install demo test test-fast test-slow test-system test-gpu lint format bench s3 clean
 
 install: $(STAMP)
 
@@ -31,6 +31,8 @@ demo: install
 #                     train flow on a Prefect test server where Prefect is what is tested (retries, artifacts, logs)
 #   make test-system  `system`: the Prefect stack (server, worker, deployments, automations), PostgreSQL, the UI in
 #                     headless Chromium, every shell block of README.md and docs/, several hosts
+#   make test-gpu     tests/gpu alone, on a machine with a CUDA device (they skip without one): with the python3 there
+#                     (GPU_PY), no .venv and no `make install`; scripts/gpu_check.sh prepares a bare GPU machine and runs it
 # tests/integration/test_ui.py (make test-ui) needs headless Chromium: it runs `apt-get install -y chromium` itself
 # when it is missing (root, ~60 s) or skips saying why.
 # JOBS pytest processes (pytest-xdist), each taking whole files (a module's Prefect stack is started once): most
@@ -49,6 +51,12 @@ test-slow: install
 
 test-system: install
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m system
+
+# The GPU tests with whatever Python has torch and the project's few dependencies (pip-installed or on PYTHONPATH):
+# no venv and no pytest plugin needed (addopts emptied: one added for the other tiers asks nothing of this machine).
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu
 
 # Lint, format check and types (CI runs it before the tests). `make format` rewrites files in place.
 lint: install
