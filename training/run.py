@@ -38,8 +38,10 @@ from training.start.overwrite import start_over, starts_over
 from training.start.preflight import preflight
 from training.start.rollback import pending_roll_back, roll_back
 from training.start.warm_start import check_load_path
+from training.unit.checkpointer import discard_host_snapshots
 from training.unit.loop import UnitResult, run_unit
 from training.unit.session import open_store
+from training.unit.warm import PROCESS
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ class Run:
         generation = store.claim_generation(label=label, owner=owner, handover_seconds=handover)
         lease = Lease(store.fence, generation, on_stop=_handover_requested).start()
         try:
+            if over or rollback_to:  # what this machine's memory holds of the run must not be resumed from
+                discard_host_snapshots(store, PROCESS.committer)
             if over:
                 start_over(store, generation)
             if rollback_to:

@@ -61,7 +61,9 @@ class Checkpointer:
         self.writer = Writer.current(generation)
         self.retention = retention(config)
         self.background = use_async_upload(config, store) and world.size == 1  # it needs one process's next unit
-        self.snapshots = self._pipeline() if world.size == 1 and config.parallelism != "fsdp" else None
+        # Snapshots: one pipeline, on rank 0 (DDP's state is the same on every rank; RNG states are gathered to it).
+        self.snapshots_on = config.parallelism != "fsdp"
+        self.snapshots = self._pipeline() if self.snapshots_on and world.rank == 0 else None
         self._claim: dict[str, Any] | None = None
 
     def save(self, s: Session, metrics: Mapping[str, float]) -> Saved:
@@ -82,12 +84,16 @@ class Checkpointer:
 
     def snapshot(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """A snapshot inside a unit (``snapshot_interval``): into host memory now, to the store when the upload before
-        it is done. Returns the stall, or None where snapshots inside a unit are not taken (several processes)."""
-        if self.snapshots is None:
+        it is done. Every rank calls it. Returns the stall, or None where snapshots are not taken (FSDP)."""
+        if not self.snapshots_on:
             return None
         s.rng_state = rng.capture()
+        rng_states = ranks.gather_to_rank0(s.rng_state)  # on rank 0; elsewhere empty
+        if self.snapshots is None:  # another rank than 0 (or snapshots fell back to the old way): nothing to copy
+            return 0.0
         progress = s.progress.as_dict()
-        objects = {STATE_FILE: {"state": s.state.state_dict(), "progress": progress}, rng_file(0): s.rng_state}
+        objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": progress}}
+        objects.update({rng_file(r): state for r, state in enumerate(rng_states)})
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True}
         self._hook(s)
         try:
@@ -180,7 +186,9 @@ class Checkpointer:
 
     def _pipeline(self) -> SnapshotPipeline:
         key = (self.store.uri, self.world.rank, self.config.host_memory_tier)
-        pipeline = self.committer.snapshot_pipeline(key, lambda: open_pipeline(self.store, self.world.rank, self.config))
+        pipeline = self.committer.snapshot_pipeline(
+            key, lambda: open_pipeline(self.store, self.world.rank, self.config)
+        )
         assert isinstance(pipeline, SnapshotPipeline)
         return pipeline
 

@@ -36,31 +36,59 @@ def claim_of(store: CheckpointStore, generation: int) -> dict[str, Any]:
     return {"claimed_at": claim.claimed_at, "host": claim.host, "pid": claim.pid}
 
 
-def newest_snapshot(config: TrainConfig, store: CheckpointStore, rank: int = 0) -> LoadedCheckpoint | None:
-    """The run's newest snapshot in this machine's memory, loaded, when it should be resumed from (see above)."""
+def newest_snapshot(
+    config: TrainConfig, store: CheckpointStore, rank: int = 0, size: int = 1
+) -> LoadedCheckpoint | None:
+    """The run's newest snapshot in this machine's memory, loaded, when it should be resumed from (see above). Several
+    processes (DDP: rank 0 takes the snapshots, every rank's RNG state included): rank 0 chooses, every rank reads that
+    snapshot from rank 0's files, and it is used only if every rank could (ranks on another machine cannot)."""
     if not config.host_memory_tier:
         return None
+    if size == 1:
+        return _newest(store)
+    from checkpointing import ranks
+
+    mine = _newest(store) if rank == 0 else None
+    name = ranks.on_rank0(lambda: mine.info.name if mine is not None else None)
+    if name is None:
+        return None
+    if rank != 0:
+        mine = _newest(store, name)
+    return mine if _on_every_rank(mine is not None) else None
+
+
+def _newest(store: CheckpointStore, name: str | None = None) -> LoadedCheckpoint | None:
+    """Rank 0's newest resumable snapshot (or the one called ``name``) that verifies."""
     try:
-        tier = HostTier(store.uri, rank)
+        tier = HostTier(store.uri)
     except TierUnavailable as exc:
         logger.info("host-memory tier not read: %s", exc)
         return None
     try:
-        records = sorted(tier.records(rank), key=lambda r: r[1].seq, reverse=True)
-        if not records:
-            return None
-        latest = store.latest()
+        records = sorted(tier.records(0), key=lambda r: r[1].seq, reverse=True)
+        latest = store.latest() if records else None
         for index, record in records:
+            if name is not None and record.name != name:
+                continue
             why = _not_resumable(store, record, latest)
             if why:
                 logger.info("host-memory snapshot %s not used: %s", record.name, why)
                 return None  # the older ones are older still
-            objects = tier.load(index, record, rank)
+            objects = tier.load(index, record, 0)
             if objects is not None:
                 return LoadedCheckpoint(_info(store, record), objects)
         return None
     finally:
         tier.close()
+
+
+def _on_every_rank(ok: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _not_resumable(store: CheckpointStore, record: Record, latest: CheckpointInfo | None) -> str:

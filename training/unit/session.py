@@ -194,7 +194,7 @@ def _sharded_scaler() -> Any:
 def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) -> Origin:
     files = [STATE_FILE, session.world.rng_file]
     _refuse_sharded(store)
-    in_memory = newest_snapshot(config, store) if session.world.size == 1 else None
+    in_memory = newest_snapshot(config, store, session.world.rank, session.world.size)
     loaded = in_memory or store.load_latest(files)
     if loaded is not None:
         check_same_run(config, loaded.info)

@@ -1,0 +1,266 @@
+"""The host-memory tier and the snapshot pipeline: a snapshot reaches this machine's memory and the store whole, a
+retry or relaunch resumes from the newest one that verifies and belongs to the run's history, nothing of another run
+or user is read, and nothing is left behind when the run completes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore
+from checkpointing.commit import CommitTerms
+from checkpointing.errors import TierUnavailable
+from checkpointing.host_tier import HostTier
+from checkpointing.manifest import Writer
+from checkpointing.snapshots import SnapshotPipeline
+from training.exceptions import InjectedFault
+from training.run import Run, execute_unit
+from training.unit import host_memory
+from training.unit.loop import run_unit
+from training.unit.warm import PROCESS
+
+SNAPSHOTS = dict(max_duration="2ep", save_interval="1ep", snapshot_interval="1ba")  # 8 steps an epoch
+
+
+def tier_files(config) -> list[str]:
+    tier = HostTier(CheckpointStore(config.save_folder, config.run_name).uri)
+    try:
+        return sorted(os.listdir(tier.path))
+    finally:
+        tier.close()
+
+
+def final_state(config) -> dict:
+    store = CheckpointStore(config.save_folder, config.run_name)
+    return store.load(store.latest(), files=["state.pt"]).objects["state.pt"]["state"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def take(pipeline: SnapshotPipeline, store: CheckpointStore, objects: dict, step: int, must_upload: bool = True):
+    progress = {"epoch": 0, "step": step, "samples_seen": 32 * step, "sample_in_epoch": 32 * step}
+    terms = CommitTerms(store, progress, Writer.current(0), {"metrics": {}})
+    return pipeline.take(objects, terms, store._name_for(progress, 0), must_upload=must_upload)
+
+
+def test_a_snapshot_reaches_the_tier_and_the_store_whole_with_tied_tensors_saved_once(tmp_path):
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    tier = HostTier(store.uri)
+    pipeline = SnapshotPipeline(store.uri, 0, tier)
+    weight = torch.randn(64, 32)
+    objects = {"state.pt": {"state": {"a": weight, "tied": weight, "n": 3, "lr": [0.1, (0.9, 0.99)]}}}
+    was = weight.clone()
+    taken = take(pipeline, store, objects, step=4)
+    taken.pending.wait()
+    weight.add_(1.0)  # training goes on: the snapshot holds the state as it was
+
+    ((index, record),) = list(tier.records(0))
+    loaded = tier.load(index, record, 0)
+    assert torch.equal(loaded["state.pt"]["state"]["a"], was)
+    assert loaded["state.pt"]["state"]["tied"] is loaded["state.pt"]["state"]["a"]
+    assert loaded["state.pt"]["state"]["lr"] == [0.1, (0.9, 0.99)]
+    committed = store.load(store.latest(), ["state.pt"]).objects["state.pt"]["state"]
+    assert torch.equal(committed["a"], was) and committed["tied"] is committed["a"]
+    assert store.latest().size_bytes < 2 * weight.numel() * 4  # the tied tensor's bytes once
+    pipeline.close()
+
+
+def test_the_tier_folder_is_private_and_its_files_are_the_users_alone(tmp_path):
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    pipeline = SnapshotPipeline(store.uri, 0, HostTier(store.uri))
+    take(pipeline, store, {"state.pt": {"w": torch.ones(8)}}, step=1).pending.wait()
+    path = pipeline.usage.tier_path
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert {stat.S_IMODE(os.stat(os.path.join(path, f)).st_mode) for f in os.listdir(path)} == {0o600}
+    pipeline.close()
+
+
+def test_a_damaged_snapshot_is_never_loaded(tmp_path):
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    tier = HostTier(store.uri)
+    pipeline = SnapshotPipeline(store.uri, 0, tier)
+    take(pipeline, store, {"state.pt": {"w": torch.zeros(1000)}}, step=1).pending.wait()
+    ((index, record),) = list(tier.records(0))
+    pipeline.close()
+    tier = HostTier(store.uri)
+    with open(os.path.join(tier.path, f"r0-s{index}.data"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x01")
+    assert tier.load(index, record, 0) is None
+
+
+def test_a_copy_never_goes_into_the_newest_snapshot_so_a_kill_mid_copy_leaves_it_whole(tmp_path):
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    pipeline = SnapshotPipeline(store.uri, 0, HostTier(store.uri))
+    for step in range(1, 8):
+        before = pipeline._newest.slot.index if pipeline._newest is not None else None
+        take(pipeline, store, {"state.pt": {"w": torch.full((100,), float(step))}}, step, must_upload=step % 3 == 0)
+        pipeline._wait_published()
+        assert pipeline._newest.slot.index != before
+    assert len(pipeline._slots) <= 3
+    pipeline.close()
+
+
+def test_a_retry_in_the_same_process_resumes_from_the_newest_snapshot_and_ends_bit_identical(make_config, train_run):
+    reference = make_config(run_name="reference", **SNAPSHOTS)
+    train_run(reference)
+    config = make_config(inject_fault_at_step=5, **SNAPSHOTS)
+    with Run.open(config) as run:
+        with pytest.raises(InjectedFault):
+            execute_unit(config, unit=0, generation=run.generation)
+        retried = execute_unit(config, unit=0, attempt=2, generation=run.generation)
+    assert retried.steps == 3  # steps 6, 7 and 8 of the epoch: nothing redone (from the store or from memory)
+    train_run(config)
+    assert_same_weights(final_state(config), final_state(reference))
+    assert tier_files(config) == []  # the run completed: its snapshots left this machine's memory
+
+
+def test_a_snapshot_newer_than_the_stores_newest_is_resumed_from(make_config, train_run):
+    reference = make_config(run_name="reference", **SNAPSHOTS)
+    train_run(reference)
+    config = make_config(**SNAPSHOTS)
+    _stop_after_snapshot(config, 5)
+    with Run.open(config) as run:
+        resumed = execute_unit(config, unit=0, generation=run.generation)
+    assert resumed.origin == "host" and resumed.resumed_from == "snapshot ep0-ba5-sa160 in this machine's memory"
+    assert resumed.steps == 3
+    train_run(config)
+    assert_same_weights(final_state(config), final_state(reference))
+
+
+def test_snapshots_change_nothing_that_is_trained(make_config, train_run):
+    plain = make_config(run_name="plain", max_duration="2ep", save_interval="1ep")
+    train_run(plain)
+    snapshotted = make_config(run_name="snapshotted", **SNAPSHOTS)
+    train_run(snapshotted)
+    assert_same_weights(final_state(snapshotted), final_state(plain))
+    names = [i.name for i in CheckpointStore(snapshotted.save_folder, "snapshotted").list()]
+    assert names == ["ep1-ba8-sa256", "ep2-ba16-sa512"]  # the intermediate ones were superseded and deleted
+
+
+def _stop_after_snapshot(config, step: int):
+    """Trains in this process until the snapshot of ``step`` is published, then drops the process's state as a killed
+    process would lose it, and the snapshots inside the unit that reached the store, as if the kill came before
+    their uploads landed: the tier holds what was published, the store its unit checkpoints."""
+    with Run.open(config) as run:
+        with pytest.raises(InjectedFault):
+            run_unit(config.model_copy(update={"inject_fault_at_step": step}), generation=run.generation)
+        PROCESS.committer.drop_snapshots()
+        PROCESS.forget()
+    store = CheckpointStore(config.save_folder, config.run_name)
+    for info in store.list():
+        if info.manifest.metadata.get("within_unit"):
+            store.delete(info.name)
+
+
+def test_a_snapshot_older_than_the_stores_newest_is_not_resumed_from(make_config):
+    config = make_config(**SNAPSHOTS)
+    _stop_after_snapshot(config, 5)
+    store = CheckpointStore(config.save_folder, "r")
+    assert host_memory.newest_snapshot(config, store).info.progress["step"] == 5
+    elsewhere = config.model_copy(update={"host_memory_tier": False})  # another machine trained further
+    with Run.open(elsewhere) as run:
+        execute_unit(elsewhere, unit=0, generation=run.generation)
+    assert host_memory.newest_snapshot(config, store) is None
+
+
+def test_a_snapshot_is_not_resumed_from_once_a_newer_writer_committed(make_config):
+    config = make_config(max_duration="3ep", save_interval="1ep", snapshot_interval="1ba")
+    with Run.open(config) as run:
+        execute_unit(config, unit=0, generation=run.generation)  # the store: step 8
+    _stop_after_snapshot(config, 12)  # this machine's memory: step 12
+    elsewhere = config.model_copy(update={"host_memory_tier": False, "save_interval": "2ba"})
+    with Run.open(elsewhere) as run:  # another machine resumed from step 8 and committed step 10
+        assert execute_unit(elsewhere, unit=4, generation=run.generation).progress["step"] == 10
+    store = CheckpointStore(config.save_folder, "r")
+    assert host_memory.newest_snapshot(config, store) is None
+
+
+def test_a_snapshot_of_a_deleted_and_restarted_run_is_not_resumed_from(make_config, tmp_path):
+    config = make_config(**SNAPSHOTS)
+    _stop_after_snapshot(config, 5)
+    shutil.rmtree(tmp_path / "runs")  # the user deleted the run; a new launch under the same name starts afresh
+    with Run.open(config) as run:
+        result = execute_unit(config, unit=0, generation=run.generation)
+    assert result.origin == "fresh" and result.steps == 8
+
+
+def test_a_roll_back_is_never_undone_by_a_snapshot(make_config):
+    config = make_config(max_duration="3ep", save_interval="1ep", snapshot_interval="1ba")
+    with Run.open(config) as run:
+        execute_unit(config, unit=0, generation=run.generation)
+    _stop_after_snapshot(config, 12)  # snapshot at step 12, store at step 8
+    rolled = config.model_copy(update={"resume_from": "ep1-ba8-sa256"})
+    with Run.open(rolled) as run:
+        result = execute_unit(rolled, unit=1, generation=run.generation)
+    assert result.origin == "store" and result.resumed_from == "checkpoint ep1-ba8-sa256"
+
+
+def test_another_runs_snapshots_are_never_read(make_config):
+    first = make_config(run_name="first", **SNAPSHOTS)
+    _stop_after_snapshot(first, 5)
+    second = make_config(run_name="second", **SNAPSHOTS)
+    with Run.open(second) as run:
+        result = execute_unit(second, unit=0, generation=run.generation)
+    assert result.origin == "fresh"
+
+
+def test_with_the_tier_off_nothing_is_written_to_shared_memory(make_config):
+    config = make_config(host_memory_tier=False, inject_fault_at_step=5, **SNAPSHOTS)
+    with Run.open(config) as run:
+        with pytest.raises(InjectedFault):
+            execute_unit(config, unit=0, generation=run.generation)
+        assert tier_files(config) == []
+        retried = execute_unit(config, unit=0, attempt=2, generation=run.generation)
+    assert retried.origin == "store" and retried.steps == 3  # the snapshots still reach the store
+
+
+def test_a_folder_planted_as_a_link_turns_the_tier_off(tmp_path, monkeypatch):
+    root = tmp_path / "shm"
+    root.mkdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    os.symlink(tmp_path / "elsewhere", root / f"resumable-train-{os.getuid()}")
+    with pytest.raises(TierUnavailable, match="without following a link"):
+        HostTier("file:///runs/r", root=str(root))
+
+
+def test_a_folder_others_may_enter_turns_the_tier_off(tmp_path):
+    root = tmp_path / "shm"
+    (root / f"resumable-train-{os.getuid()}").mkdir(parents=True, mode=0o777)
+    os.chmod(root / f"resumable-train-{os.getuid()}", 0o777)
+    with pytest.raises(TierUnavailable, match="not to this user"):
+        HostTier("file:///runs/r", root=str(root))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (runuser)")
+def test_another_user_can_neither_plant_the_folder_nor_read_a_snapshot(tmp_path, request):
+    root = Path(tempfile.mkdtemp(prefix="shm-"))  # in /tmp, which every user may enter (pytest's folders are 0700)
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    os.chmod(root, 0o1777)  # like /dev/shm: anyone may create, only the owner may remove
+    planted = root / f"resumable-train-{os.getuid()}"
+    subprocess.run(["runuser", "-u", "nobody", "--", "mkdir", "-m", "700", str(planted)], check=True)
+    with pytest.raises(TierUnavailable, match="not to this user"):
+        HostTier("file:///runs/r", root=str(root))
+
+    subprocess.run(["runuser", "-u", "nobody", "--", "rmdir", str(planted)], check=True)
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    tier = HostTier(store.uri, root=str(root))
+    pipeline = SnapshotPipeline(store.uri, 0, tier)
+    take(pipeline, store, {"state.pt": {"w": torch.ones(8)}}, step=1).pending.wait()
+    files = [os.path.join(tier.path, f) for f in os.listdir(tier.path)]
+    for path in [tier.path, *files]:
+        read = subprocess.run(["runuser", "-u", "nobody", "--", "cat", path], capture_output=True)
+        assert read.returncode != 0
+    pipeline.close()
