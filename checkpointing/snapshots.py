@@ -157,6 +157,7 @@ class SnapshotPipeline:
         self._queued: _Job | None = None  # must upload, waiting for the upload thread
         self._offered: _Job | None = None  # newest published, may upload
         self._uploaded_seq = -1
+        self._closed = False
         self._failure: BaseException | None = None
         self._publishing: Future[None] | None = None
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="snapshot-publish")
@@ -342,7 +343,7 @@ class SnapshotPipeline:
     # -- the upload thread --------------------------------------------------------------------------
     def _pump(self) -> None:
         """Starts the next upload if none runs (lock held): a queued must-upload first, else the newest offered."""
-        if self._uploading is not None:
+        if self._uploading is not None or self._closed:
             return
         job = self._queued or self._offered
         if job is self._offered and job is not None and job.seq <= self._uploaded_seq:
@@ -436,6 +437,9 @@ class SnapshotPipeline:
             self.tier = None
 
     def close(self) -> None:
+        """Finishes the publish and the upload in flight; starts no other."""
+        with self._lock:
+            self._closed = True
         self._publisher.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
         for slot in self._slots.values():

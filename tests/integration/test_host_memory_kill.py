@@ -1,0 +1,132 @@
+"""A real process, really SIGKILLed at a random moment while it snapshots every step, relaunched with the same command
+on the same machine: it resumes from the newest verified snapshot of either tier (this machine's memory or the store),
+having lost at most the one step whose snapshot was not yet published, and ends with the weights of a run that was
+never killed. The same for DDP (2 processes, the whole process group killed) and with S3 (moto) as the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore
+from tests.conftest import HOST_TIER_DIR, ROOT
+
+pytestmark = pytest.mark.slow
+# ~19 MB of state; 8 steps an epoch, 24 steps in all, units of one epoch, a snapshot every step.
+RECIPE_ARGS = {"num_samples": 256, "hidden": 1536, "num_layers": 3}
+STEP = re.compile(r"unit \d+: step (\d+),")
+STARTED = re.compile(r"unit \d+ \(attempt \d+\): starting from (.+) at epoch \d+, step (\d+),")
+
+
+def command(folder: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "tests.run_lifecycle", "--run_name", "k", "--save_folder", folder,
+        "--recipe", "recipes.synthetic:SyntheticRecipe", "--recipe_args", json.dumps(RECIPE_ARGS),
+        "--max_duration", "3ep", "--save_interval", "1ep", "--snapshot_interval", "1ba",
+        "--global_batch_size", "32", "--seed", "7", "--log_every_n_steps", "1", *extra,
+    ]  # fmt: skip
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR}
+
+
+def run_to_completion(cmd: list[str], log: Path) -> str:
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, cwd=ROOT, env=environment(), stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    text = log.read_text()
+    assert code.returncode == 0, text[-4000:]
+    return text
+
+
+def kill_at_random(cmd: list[str], log: Path, seed: int) -> int:
+    """Starts ``cmd``, SIGKILLs its whole process group at a random moment after step 6; returns the last step it
+    reported finished."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=environment(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + 300
+    while not any(int(s) >= 6 for s in STEP.findall(log.read_text())):
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "step 6 not reached"
+        time.sleep(0.005)
+    time.sleep(random.Random(seed).uniform(0.0, 2.0))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    return max(int(s) for s in STEP.findall(log.read_text()))
+
+
+def weights(folder: str, storage_options: dict | None = None) -> dict:
+    store = CheckpointStore(folder, "k", storage_options=storage_options)
+    return store.load(store.latest(), files=["state.pt"]).objects["state.pt"]["state"]["model"]
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def tier_left(folder: str, storage_options: dict | None = None) -> list[str]:
+    from checkpointing.host_tier import HostTier
+
+    tier = HostTier(CheckpointStore(folder, "k", storage_options=storage_options).uri)
+    try:
+        return os.listdir(tier.path)
+    finally:
+        tier.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("reference") / "runs")
+    run_to_completion(command(folder), Path(folder).parent / "reference.log")
+    return weights(folder)
+
+
+def kill_and_relaunch(tmp_path: Path, folder: str, seed: int, *extra: str) -> tuple[int, str, int]:
+    """(last step finished before the kill, where the relaunch started, at which step)."""
+    finished = kill_at_random(command(folder, *extra), tmp_path / "killed.log", seed)
+    text = run_to_completion(command(folder, *extra), tmp_path / "relaunched.log")
+    started = STARTED.search(text)
+    assert started, text[-4000:]
+    return finished, started.group(1), int(started.group(2))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_hard_kill_loses_at_most_one_step_and_the_relaunch_ends_bit_identical(tmp_path, reference, seed):
+    folder = str(tmp_path / "runs")
+    finished, origin, step = kill_and_relaunch(tmp_path, folder, seed)
+    assert finished - 1 <= step <= finished, (finished, origin, step)
+    assert_same(weights(folder), reference)
+    assert tier_left(folder) == []
+
+
+def test_with_ddp_a_hard_kill_of_every_process_loses_at_most_one_step_and_ends_bit_identical(tmp_path):
+    ddp = ("--nproc_per_node", "2")
+    uninterrupted = str(tmp_path / "reference")
+    run_to_completion(command(uninterrupted, *ddp), tmp_path / "reference.log")
+    folder = str(tmp_path / "runs")
+    finished, origin, step = kill_and_relaunch(tmp_path, folder, 5, *ddp)
+    assert finished - 1 <= step <= finished, (finished, origin, step)
+    assert_same(weights(folder), weights(uninterrupted))
+    assert tier_left(folder) == []
+
+
+def test_with_s3_as_the_store_a_hard_kill_loses_at_most_one_step(tmp_path, reference, s3):
+    folder, options = s3
+    finished, origin, step = kill_and_relaunch(tmp_path, folder, 6, "--storage_options", json.dumps(options))
+    assert finished - 1 <= step <= finished, (finished, origin, step)
+    assert_same(weights(folder, options), reference)
+    assert tier_left(folder, options) == []
