@@ -52,6 +52,7 @@ from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint, read_weights
 from training.unit import rng
 from training.unit.checkpointer import Checkpointer
+from training.unit.host_memory import newest_snapshot
 from training.unit.loop import InjectedFault, UnitResult
 from training.unit.reported_state import ReportError, check_loadable, check_metrics
 from training.unit.session import SINGLE_PROCESS, World, open_store, pick_device
@@ -100,6 +101,7 @@ class LoopContext(RunContext):
         self._progress = self._recorded(self._at)  # the newest report's counters (committed or metrics-only)
         self._committed = dict(self._progress)  # the newest committed report's counters
         self._resumed_from = self._at
+        self._from_memory = False  # resumed from a snapshot in this machine's memory (host_memory.py)
         self._asked = False
         self._last: PendingCommit | None = None
         self._last_metrics: dict[str, float] = {}
@@ -113,6 +115,9 @@ class LoopContext(RunContext):
         from what it returns."""
         self._asked = True
         self._committer.wait_quietly()
+        in_memory = newest_snapshot(self._config, self._store, self._world.rank, self._world.size)
+        if in_memory is not None:  # a report newer than the store's, in this machine's memory (a hard kill's relaunch)
+            return self._resume(in_memory.info, in_memory.objects.get(STATE_FILE), from_memory=True)
         candidates = self._store.candidates() if self._world.rank == 0 else iter(())
         while (info := ranks.on_rank0(lambda: next(candidates, None))) is not None:
             try:
@@ -120,16 +125,19 @@ class LoopContext(RunContext):
             except CorruptCheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s", info.name, exc)
                 continue
-            check_same_run(self._config, info)
-            state = loaded.objects.get(STATE_FILE)
-            if not isinstance(state, dict) or "state" not in state:
-                raise ConfigError(f"{info.uri} was not written by ctx.report (no 'state'); use a new run_name")
-            self._at = self._resumed_from = info
-            self._progress = self._committed = self._recorded(info)
-            return state["state"]
+            return self._resume(info, loaded.objects.get(STATE_FILE))
         self._at = self._resumed_from = None
         self._progress = self._committed = self._recorded(None)
         return ranks.on_every_rank(lambda: load_path_state(self._config)) if self._config.load_path else None
+
+    def _resume(self, info: CheckpointInfo, state: Any, from_memory: bool = False) -> dict[str, Any]:
+        check_same_run(self._config, info)
+        if not isinstance(state, dict) or "state" not in state:
+            raise ConfigError(f"{info.uri} was not written by ctx.report (no 'state'); use a new run_name")
+        self._at = self._resumed_from = info
+        self._progress = self._committed = self._recorded(info)
+        self._from_memory = from_memory
+        return state["state"]
 
     def report(
         self,
@@ -226,6 +234,7 @@ class LoopContext(RunContext):
                 f"ctx.report, or set max_duration to what the loop trains (with no counters passed, '<n>ba' is n "
                 f"reports)"
             )
+        self._checkpointer.finish()  # complete: the snapshots leave this machine's memory
         return self.result(steps=p["step"] - self._start_step, unit=0)  # the whole loop: the flow's only unit
 
     def result(self, steps: int, unit: int | None = None) -> UnitResult:
@@ -238,8 +247,16 @@ class LoopContext(RunContext):
             checkpoint_committed=last.committed if last else True,
             progress=dict(self._progress),
             complete=self.should_stop,
-            origin="store" if origin else "fresh",
-            resumed_from=f"checkpoint {origin.name}" if origin else "fresh initialization",
+            origin=("host" if self._from_memory else "store") if origin else "fresh",
+            resumed_from=(
+                (
+                    f"snapshot {origin.name} in this machine's memory"
+                    if self._from_memory
+                    else f"checkpoint {origin.name}"
+                )
+                if origin
+                else "fresh initialization"
+            ),
             steps=max(steps, 0),
             attempt=self.attempt,
             metrics=self._last_metrics or (dict(info.metrics) if info else {}),
