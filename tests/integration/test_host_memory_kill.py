@@ -130,3 +130,22 @@ def test_with_s3_as_the_store_a_hard_kill_loses_at_most_one_step(tmp_path, refer
     assert finished - 1 <= step <= finished, (finished, origin, step)
     assert_same(weights(folder, options), reference)
     assert tier_left(folder, options) == []
+
+
+def test_a_shared_memory_too_small_for_the_snapshots_is_one_warning_and_training_goes_on(tmp_path, reference):
+    """A real 1 MB tmpfs (in a mount namespace of the run's own) as the tier's folder, for ~19 MB of state."""
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    probe = subprocess.run(["unshare", "-m", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)])
+    if probe.returncode != 0:
+        pytest.skip("this machine lets no process mount a tmpfs in a namespace of its own (unshare -m; root needed)")
+    folder = str(tmp_path / "runs")
+    script = 'mount -t tmpfs -o size=1m tmpfs "$0" && exec "$@"'
+    cmd = ["unshare", "-m", "sh", "-c", script, str(small), *command(folder)]
+    env = {**environment(), "TRAIN_HOST_TIER_DIR": str(small)}
+    with open(tmp_path / "small.log", "w") as out:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    text = (tmp_path / "small.log").read_text()
+    assert done.returncode == 0, text[-4000:]
+    assert text.count("host-memory tier off for this run") == 1 and "not enough shared memory" in text, text[-4000:]
+    assert_same(weights(folder), reference)
