@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from checkpointing.commit import CommitRequest, CommitTerms, PendingCommit, _commit_and_prune, with_network_weights
+from checkpointing.commit import (
+    CommitRequest,
+    CommitTerms,
+    PendingCommit,
+    Retention,
+    _commit_and_prune,
+    with_network_weights,
+)
 from checkpointing.host_tier import (
     MAX_SLOTS,
     TENSOR_MARK,
@@ -366,16 +373,19 @@ class SnapshotPipeline:
             if job.network_weights:
                 objects = with_network_weights(objects)
             t = job.terms
-            request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, t.retention, {}, objects)
+            # Retention counts unit checkpoints: snapshots inside a unit are deleted first, once superseded.
+            request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, Retention(), {}, objects)
             t0 = time.perf_counter()
             info = _commit_and_prune(request)
+            _delete_superseded(t.store, info)
+            if not t.metadata.get(INTERMEDIATE):
+                t.retention.apply(t.store)
             log.info(
                 "snapshot %s committed to the store from host memory: %.1f MB in %.2fs",
                 job.name,
                 info.size_bytes / 1e6,
                 time.perf_counter() - t0,
             )
-            _delete_superseded(t.store, info)
         except BaseException as exc:
             error = exc
             if job.must_upload:

@@ -264,3 +264,10 @@ def test_another_user_can_neither_plant_the_folder_nor_read_a_snapshot(tmp_path,
         read = subprocess.run(["runuser", "-u", "nobody", "--", "cat", path], capture_output=True)
         assert read.returncode != 0
     pipeline.close()
+
+
+def test_retention_counts_unit_checkpoints_not_the_snapshots_inside_units(make_config, train_run):
+    config = make_config(max_duration="4ep", snapshot_interval="1ba", num_checkpoints_to_keep=2)
+    train_run(config)
+    names = [i.name for i in CheckpointStore(config.save_folder, "r").list()]
+    assert names == ["ep3-ba24-sa768", "ep4-ba32-sa1024"]
