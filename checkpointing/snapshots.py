@@ -375,12 +375,15 @@ class SnapshotPipeline:
             t = job.terms
             # Retention counts unit checkpoints: snapshots inside a unit are deleted first, once superseded.
             request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, Retention(), {}, objects)
+            level = logging.DEBUG if t.metadata.get(INTERMEDIATE) else logging.INFO  # not a line a step
+            log.log(level, "writing checkpoint %s to %s", job.name, t.store.uri)
             t0 = time.perf_counter()
             info = _commit_and_prune(request)
             _delete_superseded(t.store, info)
             if not t.metadata.get(INTERMEDIATE):
                 t.retention.apply(t.store)
-            log.info(
+            log.log(
+                level,
                 "snapshot %s committed to the store from host memory: %.1f MB in %.2fs",
                 job.name,
                 info.size_bytes / 1e6,
