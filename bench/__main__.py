@@ -21,6 +21,8 @@ BENCHES = {
     "startup": "bench.startup",
     "units": "bench.units",
     "preemption": "bench.preemption",
+    "snapshots": "bench.snapshots",
+    "gpu_snapshot": "bench.gpu_snapshot",
 }
 
 

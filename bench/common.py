@@ -20,9 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import deployments.local_s3 as local_s3_server
-from flows.server import free_port
-
 RESULTS = Path(__file__).with_name("RESULTS.md")
 OUT = Path(__file__).with_name("out")  # profiles and scratch files (git-ignored)
 NOISE = (
@@ -33,14 +30,20 @@ NOISE = (
 
 # -- reporting ------------------------------------------------------------------------------------
 def machine() -> str:
-    import prefect
     import torch
+
+    try:
+        import prefect
+
+        prefect_version = f"prefect {prefect.__version__}"
+    except ImportError:  # a bare GPU machine: the benchmarks that need no Prefect still record
+        prefect_version = "no prefect"
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} cores, "
         f"{mem:.0f} GiB; Python {platform.python_version()}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), prefect {prefect.__version__}"
+        f"({torch.get_num_threads()} threads), {prefect_version}"
     )
 
 
@@ -103,6 +106,13 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
 
 
 # -- environment ----------------------------------------------------------------------------------
+def free_port() -> int:
+    """A free loopback port (flows.server's; imported here, not at the top: it needs Prefect)."""
+    from flows.server import free_port as free
+
+    return free()
+
+
 _SCRATCH: list[str] = []
 
 
@@ -134,6 +144,8 @@ class LocalS3:
     closer to a store on another machine; it still shares the 2 cores with training."""
 
     def __init__(self) -> None:
+        import deployments.local_s3 as local_s3_server  # moto and Prefect: imported only when a benchmark needs S3
+
         os.environ.update(local_s3_server.fake_aws_env("bench", "bench-secret"))
         for key in local_s3_server.AWS_UNSET:
             os.environ.pop(key, None)
