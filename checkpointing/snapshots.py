@@ -129,6 +129,7 @@ class _Job:
     seq: int = 0
     event: Any = None  # the CUDA copy's event
     published: bool = False
+    upload: bool = True  # False: host memory only (an FSDP rank's shards; the store gets the unit's sharded commit)
 
 
 @dataclass
@@ -184,6 +185,7 @@ class SnapshotPipeline:
         name: str,
         *,
         must_upload: bool,
+        upload: bool = True,
         network_weights: bool = False,
         claim: dict[str, Any] | None = None,
     ) -> Taken:
@@ -214,9 +216,8 @@ class SnapshotPipeline:
         event = self._copy(flat.tensors, [slot.tensor(e) for e in entries], slot)
         pending = PendingCommit(name, terms.store.storage.uri(f"checkpoints/{name}"), sum(nbytes), dict(terms.progress))
         pending.metadata = dict(terms.metadata)
-        job = _Job(
-            slot, terms, name, entries, flat.tree, must_upload, network_weights, pending, claim or {}, event=event
-        )
+        job = _Job(slot, terms, name, entries, flat.tree, must_upload, network_weights, pending, claim or {})
+        job.event, job.upload = event, upload
         with self._lock:
             job.seq, self._seq = self._seq, self._seq + 1
         self._publishing = self._publisher.submit(self._publish, job)
@@ -338,7 +339,9 @@ class SnapshotPipeline:
             job.published = True
             self._newest = job
             self._held_by_tier = None  # from now on this process's own snapshots say which slot is newest
-            if job.must_upload:
+            if not job.upload:
+                self._settle(job)
+            elif job.must_upload:
                 if self._queued is not None:  # an older must-upload still waiting: this one is newer and carries it
                     self._settle(self._queued, superseded_by=job)
                 self._queued = job

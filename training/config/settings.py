@@ -327,11 +327,6 @@ class TrainConfig(BaseSettings):
                 "save_network_weights=True with parallelism='fsdp': the weights are shards of every process; export "
                 "a checkpoint's whole weights with python -m checkpointing export <checkpoint URI> <file>"
             )
-        if self.snapshot_interval is not None and self.parallelism == "fsdp":
-            raise ValueError(
-                f"snapshot_interval={self.snapshot_interval!r} with parallelism='fsdp': sharded checkpoints are "
-                f"written at unit ends only; make units shorter (save_interval) or leave snapshot_interval out"
-            )
         self.save_folder = format_save_folder(self.save_folder, self.run_name)
         return self
 

@@ -62,8 +62,10 @@ class Checkpointer:
         self.retention = retention(config)
         self.background = use_async_upload(config, store) and world.size == 1  # it needs one process's next unit
         # Snapshots: one pipeline, on rank 0 (DDP's state is the same on every rank; RNG states are gathered to it).
-        self.snapshots_on = config.parallelism != "fsdp"
-        self.snapshots = self._pipeline() if self.snapshots_on and world.rank == 0 else None
+        # FSDP: every rank snapshots its own shards, into host memory only (the store gets the unit's sharded
+        # checkpoint, which all ranks write together).
+        self.sharded = config.parallelism == "fsdp"
+        self.snapshots = self._pipeline() if world.rank == 0 or self.sharded else None
         self._claim: dict[str, Any] | None = None
 
     def save(self, s: Session, metrics: Mapping[str, float]) -> Saved:
@@ -84,9 +86,10 @@ class Checkpointer:
 
     def snapshot(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """A snapshot inside a unit (``snapshot_interval``): into host memory now, to the store when the upload before
-        it is done. Every rank calls it. Returns the stall, or None where snapshots are not taken (FSDP)."""
-        if not self.snapshots_on:
-            return None
+        it is done (FSDP: each rank's shards, into host memory only). Every rank calls it. Returns the stall, or None
+        when snapshots fell back to the old way."""
+        if self.sharded:
+            return self._snapshot_shards(s, metrics)
         s.rng_state = rng.capture()
         rng_states = ranks.gather_to_rank0(s.rng_state)  # on rank 0; elsewhere empty
         if self.snapshots is None:  # another rank than 0 (or snapshots fell back to the old way): nothing to copy
@@ -98,6 +101,27 @@ class Checkpointer:
         self._hook(s)
         try:
             return self._take(progress, objects, metadata, must_upload=False).seconds
+        except TypeError as exc:
+            self._fall_back(exc)
+            return None
+
+    def _snapshot_shards(self, s: Session, metrics: Mapping[str, float]) -> float | None:
+        """parallelism='fsdp': this rank's shards, the small parts and its RNG state, into this machine's memory."""
+        from training.unit import fsdp
+
+        if self.snapshots is None:
+            return None
+        s.rng_state = rng.capture()
+        progress = s.progress.as_dict()
+        objects = {
+            fsdp.SHARDS_FILE: fsdp.local_shards(s.model, s.optimizer),
+            fsdp.EXTRA_FILE: {**s.state.state_dict(SMALL), "progress": progress},
+            fsdp.rank_extra_file(self.world.rank): s.rng_state,
+        }
+        metadata = {**self.metadata(metrics, s), INTERMEDIATE: True, "parallelism": "fsdp"}
+        self._hook(s)
+        try:
+            return self._take(progress, objects, metadata, must_upload=False, upload=False).seconds
         except TypeError as exc:
             self._fall_back(exc)
             return None
@@ -168,7 +192,12 @@ class Checkpointer:
         return Saved(pending, time.perf_counter() - t0)
 
     def _take(
-        self, progress: dict[str, int], objects: dict[str, Any], metadata: dict[str, Any], must_upload: bool
+        self,
+        progress: dict[str, int],
+        objects: dict[str, Any],
+        metadata: dict[str, Any],
+        must_upload: bool,
+        upload: bool = True,
     ) -> Any:
         assert self.snapshots is not None
         terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
@@ -180,6 +209,7 @@ class Checkpointer:
             terms,
             name,
             must_upload=must_upload,
+            upload=upload,
             network_weights=self.config.save_network_weights,
             claim=self._claim,
         )

@@ -46,6 +46,7 @@ from checkpointing.commit import CommitTerms, PendingCommit, commit_sharded
 logger = logging.getLogger(__name__)
 
 EXTRA_FILE = "extra.pt"
+SHARDS_FILE = "shards"  # in a snapshot of one rank (host memory only): its shards, as ``local_shards`` gives them
 
 
 def rank_extra_file(rank: int) -> str:
@@ -102,6 +103,54 @@ def save_sharded(
         files[EXTRA_FILE] = extra
     terms = replace(terms, metadata={**terms.metadata, "parallelism": "fsdp"})
     return commit_sharded(terms, state_dicts(model, optimizer), files)
+
+
+def local_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``state_dicts`` with each DTensor replaced by this rank's shard of it (a plain tensor over the same memory):
+    what a snapshot of this rank copies into host memory."""
+    return _map_dtensors(state_dicts(model, optimizer), lambda t: t.to_local())
+
+
+def load_local_shards(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Loads what ``local_shards`` gave (a snapshot of this rank, at this world size) back into the sharded model
+    and optimizer. CorruptCheckpointError, before anything is changed, when a shard does not fit its place."""
+    state = state_dicts(model, optimizer)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    grafted = _graft(state, saved, pairs)
+    with torch.no_grad():
+        for local, shard in pairs:
+            local.copy_(shard)
+    set_state_dict(model, optimizer, model_state_dict=grafted["model"], optim_state_dict=grafted["optimizer"])
+
+
+def _graft(live: Any, saved: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``saved``'s tree with each of ``live``'s DTensors kept where ``saved`` holds its shard (listed in ``pairs`` to
+    be copied in); everything else (step counters, hyper-parameters) as saved."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(live, DTensor):
+        local = live.to_local()
+        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape or saved.dtype != local.dtype:
+            raise CorruptCheckpointError("a snapshot's shard does not fit this rank's (another world size?)")
+        pairs.append((local, saved))
+        return live
+    if isinstance(saved, dict) and isinstance(live, dict):
+        if set(saved) != set(live):
+            raise CorruptCheckpointError("a snapshot holds other state than this model and optimizer")
+        return {k: _graft(live[k], v, pairs) for k, v in saved.items()}
+    return saved
+
+
+def _map_dtensors(node: Any, fn: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(node, DTensor):
+        return fn(node)
+    if isinstance(node, dict):
+        return {k: _map_dtensors(v, fn) for k, v in node.items()}
+    if isinstance(node, list | tuple):
+        return type(node)(_map_dtensors(v, fn) for v in node)
+    return node
 
 
 def load_sharded(

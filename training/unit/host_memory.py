@@ -57,6 +57,52 @@ def newest_snapshot(
     return mine if _on_every_rank(mine is not None) else None
 
 
+def sharded_snapshot(config: TrainConfig, store: CheckpointStore, rank: int, size: int) -> LoadedCheckpoint | None:
+    """parallelism='fsdp': every rank's own snapshot of the same step, when every rank holds one that verifies, it
+    was taken at this world size (a snapshot holds this rank's shards; only the store's checkpoints reshard) and rank
+    0 finds it resumable (see above). Every rank calls it."""
+    import torch.distributed as dist
+
+    from checkpointing import ranks
+
+    if not config.host_memory_tier:
+        return None
+    try:
+        tier: HostTier | None = HostTier(store.uri, rank)
+    except TierUnavailable as exc:
+        logger.info("host-memory tier not read: %s", exc)
+        tier = None
+    try:
+        records = sorted(tier.records(rank), key=lambda r: r[1].seq, reverse=True) if tier else []
+        mine = {record.name: (index, record) for index, record in records}
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, [r.name for _, r in records])
+        common = [name for name in everyone[0] if all(name in names for names in everyone)]
+
+        def choose() -> str | None:
+            latest = store.latest() if common else None
+            for name in common:  # newest first
+                record = mine[name][1]
+                why = _not_resumable(store, record, latest)
+                if not why and record.metadata.get("world_size") != size:
+                    why = f"it was taken on {record.metadata.get('world_size')} process(es), this run has {size}"
+                if why:
+                    logger.info("host-memory snapshot %s not used: %s", name, why)
+                    return None
+                return name
+            return None
+
+        chosen = ranks.on_rank0(choose)
+        objects = tier.load(*mine[chosen], rank) if chosen is not None and tier is not None else None
+        if chosen is None or not _on_every_rank(objects is not None):
+            return None
+        assert objects is not None
+        return LoadedCheckpoint(_info(store, mine[chosen][1]), objects)
+    finally:
+        if tier is not None:
+            tier.close()
+
+
 def _newest(store: CheckpointStore, name: str | None = None) -> LoadedCheckpoint | None:
     """Rank 0's newest resumable snapshot (or the one called ``name``) that verifies."""
     try:

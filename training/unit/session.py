@@ -26,7 +26,7 @@ from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint
 from training.start.warm_start import load_start, load_weights
 from training.unit import rng
-from training.unit.host_memory import newest_snapshot
+from training.unit.host_memory import newest_snapshot, sharded_snapshot
 from training.unit.state import SMALL, TrainState
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,18 @@ def _restore_sharded(
     session = Session(recipe, dataset, model, optimizer, scheduler, progress, ctx.device, world, ctx=ctx, hooks=hooks)
     session.scaler = _sharded_scaler() if config.precision == "fp16" else None
     ctx.model, ctx.optimizer, ctx.scaler = model, optimizer, session.scaler
-    found = fsdp.restore_latest(store, model, optimizer)
+    in_memory = sharded_snapshot(config, store, world.rank, world.size)
+    if in_memory is not None:
+        check_same_run(config, in_memory.info)
+        fsdp.load_local_shards(model, optimizer, in_memory.objects[fsdp.SHARDS_FILE])
+        found: Any = (
+            in_memory.info,
+            fsdp.LoadedExtra(
+                common=in_memory.objects[fsdp.EXTRA_FILE], rank=in_memory.objects.get(fsdp.rank_extra_file(world.rank))
+            ),
+        )
+    else:
+        found = fsdp.restore_latest(store, model, optimizer)
     if found is None:
         rng.seed_all(config.seed + world.rank)  # same initial weights everywhere, own RNG streams after
         session.data_skip_applied = requested_data_skip(config)
@@ -174,6 +185,8 @@ def _restore_sharded(
     session.data_skip_applied = info.manifest.metadata.get("data_skip_applied")
     _restore_rng(session, extra.rank, info)
     reposition(config, session)
+    if in_memory is not None:
+        return session, Origin("host", info.name, f"snapshot {info.name} in this machine's memory")
     if world.rank == 0:
         logger.info(
             "resharded %s (saved by %s process(es)) onto %d; this rank read %d file(s)",
