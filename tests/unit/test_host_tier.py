@@ -271,3 +271,27 @@ def test_retention_counts_unit_checkpoints_not_the_snapshots_inside_units(make_c
     train_run(config)
     names = [i.name for i in CheckpointStore(config.save_folder, "r").list()]
     assert names == ["ep3-ba24-sa768", "ep4-ba32-sa1024"]
+
+
+def test_a_loop_of_its_own_gets_back_a_report_newer_than_the_stores_from_this_machines_memory(make_config):
+    from checkpointing.commit import Committer
+    from training import LoopContext
+
+    config = make_config(
+        recipe="recipes.custom_loop:CustomLoopRecipe", recipe_args={"num_samples": 64}, max_duration="4ba"
+    )
+    store = CheckpointStore(config.save_folder, config.run_name)
+    committer = Committer()
+    ctx = LoopContext(config, store, committer=committer)
+    ctx.get_checkpoint()
+    for i in (1, 2):
+        ctx.report({"loss": 0.5}, state={"model": {"w": torch.full((3,), float(i))}})
+    committer.drop_snapshots()
+    store.delete("ep0-ba2-sa0")  # the newest report's upload did not land before the kill (no samples: step counts)
+
+    again = LoopContext(config, store, committer=Committer(), attempt=2)
+    state = again.get_checkpoint()
+    assert torch.equal(state["model"]["w"], torch.full((3,), 2.0))
+    result = again.result(steps=0)
+    assert result.origin == "host" and result.resumed_from == "snapshot ep0-ba2-sa0 in this machine's memory"
+    again._committer.drop_snapshots()

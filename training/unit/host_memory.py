@@ -11,7 +11,7 @@ all of these hold, and the store is used otherwise:
 - its writer's claim is still in the store as it was when the snapshot was taken (a deleted and re-created run
   folder has other claims);
 - no writer newer than it committed to the store, and no roll-back newer than it was made;
-- it is further along than the store's newest checkpoint (more samples seen).
+- it is further along than the store's newest checkpoint (more samples seen, or as many and more steps).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _on_every_rank(ok: bool) -> bool:
 
 
 def _not_resumable(store: CheckpointStore, record: Record, latest: CheckpointInfo | None) -> str:
-    if latest is not None and record.progress.get("samples_seen", 0) <= latest.progress.get("samples_seen", 0):
+    if latest is not None and _position(record.progress) <= _position(latest.progress):
         return f"the store's {latest.name} is as far along"
     if latest is not None and latest.manifest.writer.generation > record.generation:
         return f"a newer writer (generation {latest.manifest.writer.generation}) committed {latest.name}"
@@ -147,6 +147,11 @@ def _not_resumable(store: CheckpointStore, record: Record, latest: CheckpointInf
     if record.metadata.get("claim") != claim_of(store, record.generation):
         return f"the store no longer holds the claim of writer generation {record.generation} it was taken under"
     return ""
+
+
+def _position(progress: dict[str, int]) -> tuple[int, int]:
+    """How far along: samples seen, then steps (a loop of its own may count reports only)."""
+    return progress.get("samples_seen", 0), progress.get("step", 0)
 
 
 def _info(store: CheckpointStore, record: Record) -> CheckpointInfo:
