@@ -187,9 +187,16 @@ def layout(nbytes: list[int]) -> tuple[list[int], int]:
 class Slot:
     """Reused snapshot buffers: a mapping of ``size`` bytes, shared (a ``.data`` file of the tier) or private."""
 
-    def __init__(self, index: int, size: int, buffer: mmap.mmap, shared: bool):
+    def __init__(self, index: int, size: int, buffer: mmap.mmap, shared: bool, filesystem: str = ""):
         self.index, self.size, self.buffer, self.shared = index, size, buffer, shared
-        self.registered_ptr: int | None = None  # set when pinned for CUDA (training/unit/snapshots.py)
+        self.filesystem = filesystem  # of a shared slot's file ("" for private memory)
+        self.registered_ptr: int | None = None  # set when pinned for CUDA (checkpointing/snapshots.py)
+
+    @property
+    def pinnable(self) -> bool:
+        """Whether CUDA can page-lock it: private memory, or a file in memory (tmpfs, hugetlbfs). The kernel refuses
+        to pin the page cache of a file on disk for long (cudaHostRegister then fails with 'invalid argument')."""
+        return not self.shared or self.filesystem in ("tmpfs", "hugetlbfs")
 
     def tensor(self, entry: TensorEntry) -> Any:
         """A tensor over the slot's bytes at ``entry`` (its own storage, so ``torch.save`` writes only its bytes)."""
@@ -216,6 +223,7 @@ class HostTier:
         user_dir = os.path.join(self.root, f"resumable-train-{os.getuid()}")
         self.path = os.path.join(user_dir, self.key)
         self._fd = self._open_private(user_dir, self.key)
+        self.filesystem = filesystem_type(self.path)
 
     # -- the folder ---------------------------------------------------------------------------------
     def _open_private(self, user_dir: str, key: str) -> int:
@@ -259,7 +267,7 @@ class HostTier:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd)
         try:
             os.posix_fallocate(fd, 0, max(size, 1))  # reserved now: a full /dev/shm fails here, not as SIGBUS later
-            return Slot(index, size, mmap.mmap(fd, max(size, 1)), shared=True)
+            return Slot(index, size, mmap.mmap(fd, max(size, 1)), shared=True, filesystem=self.filesystem)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=self._fd)
@@ -351,6 +359,24 @@ class HostTier:
             return
         with os.fdopen(fd, "rb", buffering=0) as f:
             yield f
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the file system ``path`` is on ("tmpfs", "ext4", ...), from /proc/self/mounts; "" if unknown."""
+    path, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].encode().decode("unicode_escape")  # spaces are written \040
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return ""
+    return kind
 
 
 def _private_dir(parent_fd: int, name: str, shown: str) -> int:

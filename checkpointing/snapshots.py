@@ -44,6 +44,7 @@ from checkpointing.commit import (
 )
 from checkpointing.host_tier import (
     MAX_SLOTS,
+    ROOT_ENV,
     TENSOR_MARK,
     HostTier,
     Record,
@@ -282,13 +283,21 @@ class SnapshotPipeline:
 
     def _pin(self, slot: Slot) -> None:
         """Page-locks a slot for CUDA copies (cudaHostRegister), once; without it a copy from the GPU is synchronous."""
+        if not slot.pinnable:
+            self._warn(
+                "pin",
+                f"snapshot buffers on a {slot.filesystem or 'disk'} file system cannot be page-locked, so a copy from "
+                f"the GPU blocks training; put {ROOT_ENV} on a tmpfs (such as /dev/shm)",
+            )
+            return
         ptr = torch.frombuffer(slot.buffer, dtype=torch.uint8).data_ptr()
         code = torch.cuda.cudart().cudaHostRegister(ptr, slot.size, 0)
         if int(code) != 0:
+            _absorb_cuda_error()
             self._warn(
                 "pin",
-                f"pinning {slot.size / 1e6:.0f} MB of snapshot buffers failed ({code}); copies from "
-                "the GPU will block training",
+                f"page-locking {slot.size / 1e6:.0f} MB of snapshot buffers failed ({code}); a copy from the GPU "
+                f"blocks training",
             )
             return
         slot.registered_ptr = ptr
@@ -469,6 +478,16 @@ class SnapshotPipeline:
         assert self.tier is not None
         records = list(self.tier.records(self.rank))
         return max(records, key=lambda r: r[1].seq)[0] if records else None
+
+
+def _absorb_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error to be reported by the next kernel launch, which would fail training
+    at some unrelated operation: launch one here and take the stale error (the launch check reads and clears it)."""
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        log.debug("cleared the error a failed page-lock left: %s", exc)
 
 
 def _copy_outcome(source: Future[Any], target: Future[Any]) -> None:

@@ -5,6 +5,8 @@ is the state as the step left it, bit for bit. No Prefect: units are driven as t
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -26,13 +28,15 @@ SYNTHETIC = "recipes.synthetic:SyntheticRecipe"
 
 
 @pytest.fixture(autouse=True)
-def _synthetic_allowed(monkeypatch, tmp_path):
+def _synthetic_allowed(monkeypatch):
+    """The recipe allowed in the environment; the tier in a tmpfs folder (/dev/shm), where CUDA can page-lock it."""
     monkeypatch.setenv(ALLOWED_ENV, ",".join(filter(None, [os.environ.get(ALLOWED_ENV), SYNTHETIC])))
-    monkeypatch.setenv("TRAIN_HOST_TIER_DIR", str(tmp_path / "shm"))
-    (tmp_path / "shm").mkdir()
+    shm = tempfile.mkdtemp(prefix="tier-", dir="/dev/shm")
+    monkeypatch.setenv("TRAIN_HOST_TIER_DIR", shm)
     yield
     PROCESS.committer.drop_snapshots()
     PROCESS.forget()
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 def config(tmp_path, name: str, **kw):

@@ -295,3 +295,19 @@ def test_a_loop_of_its_own_gets_back_a_report_newer_than_the_stores_from_this_ma
     result = again.result(steps=0)
     assert result.origin == "host" and result.resumed_from == "snapshot ep0-ba2-sa0 in this machine's memory"
     again._committer.drop_snapshots()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_only_buffers_in_memory_are_page_locked_for_cuda(tmp_path):
+    """The kernel refuses a long-term pin of a disk file's pages: cudaHostRegister failed with 'invalid argument' on
+    an H200, and the stale error then failed the next kernel. Buffers on disk are not pinned (one warning)."""
+    in_memory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        assert HostTier("file:///r", root=in_memory).allocate(0, 4096).pinnable
+    finally:
+        shutil.rmtree(in_memory)
+    elsewhere = HostTier("file:///r", root=str(tmp_path))  # a disk here and in CI; whatever it is, the rule holds
+    assert elsewhere.allocate(0, 4096).pinnable == (elsewhere.filesystem in ("tmpfs", "hugetlbfs"))
+    from checkpointing.host_tier import Slot
+
+    assert Slot.private(0, 4096).pinnable
