@@ -21,6 +21,7 @@ from checkpointing import CheckpointStore, Writer, ranks
 from checkpointing import commit as commits
 from checkpointing.commit import Committer, CommitTerms, PendingCommit, Retention
 from checkpointing.host_tier import HostTier, TierUnavailable
+from checkpointing.names import checkpoint_name
 from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline
 from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
@@ -67,6 +68,7 @@ class Checkpointer:
         self.sharded = config.parallelism == "fsdp"
         self.snapshots = self._pipeline() if world.rank == 0 or self.sharded else None
         self._claim: dict[str, Any] | None = None
+        self._run: dict[str, Any] | None = None  # what every manifest of the run says of it (``metadata``)
 
     def save(self, s: Session, metrics: Mapping[str, float]) -> Saved:
         """A unit's checkpoint: the session's state bundle, its progress and every rank's RNG state. Every rank calls
@@ -143,15 +145,19 @@ class Checkpointer:
 
     def metadata(self, metrics: Mapping[str, float], s: Session | None = None) -> dict[str, Any]:
         """What a checkpoint's manifest says of the run (``check_same_run`` reads it) besides the progress."""
-        config = self.config
-        identity = run_identity(config)
+        if self._run is None:  # once: the run's identity resolves the recipe through the entry points (~30 ms)
+            config = self.config
+            identity = run_identity(config)
+            self._run = {
+                "config": identity,
+                "config_fingerprint": config.fingerprint(),
+                "recipe": identity["recipe"],
+                "global_batch_size": config.global_batch_size,
+                "seed": config.seed,
+            }
         return {
-            "config": identity,
-            "config_fingerprint": config.fingerprint(),
-            "recipe": identity["recipe"],
-            "global_batch_size": config.global_batch_size,
+            **self._run,
             "world_size": s.world.size if s is not None else self.world.size,
-            "seed": config.seed,
             "data_skip_applied": s.data_skip_applied if s is not None else None,
             "metrics": {k: float(v) for k, v in metrics.items()},
         }
@@ -201,7 +207,9 @@ class Checkpointer:
     ) -> Any:
         assert self.snapshots is not None
         terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
-        name = self.store._name_for(progress, self.writer.generation)
+        # A snapshot inside a unit gets its store name when it is uploaded (naming reads the store); its record in host
+        # memory keeps the plain one. A unit's must be known now: the unit reports it.
+        name = self.store._name_for(progress, self.writer.generation) if must_upload else checkpoint_name(progress)
         if self._claim is None:
             self._claim = claim_of(self.store, self.writer.generation)
         return self.snapshots.take(
