@@ -24,7 +24,7 @@ from checkpointing.export import model_weights
 from tests.conftest import HOST_TIER_DIR, ROOT
 
 pytestmark = pytest.mark.slow
-# ~19 MB of state; 8 steps an epoch, 24 steps in all, units of one epoch, a snapshot every step.
+# ~19 MB of state; 8 steps an epoch, 48 steps in all, units of one epoch, a snapshot every step.
 RECIPE_ARGS = {"num_samples": 256, "hidden": 1536, "num_layers": 3}
 STEP = re.compile(r"unit \d+: step (\d+),")
 # The ranks of a torchrun unit log through the unit's process, which relays their lines: a kill of the process group
@@ -32,11 +32,11 @@ STEP = re.compile(r"unit \d+: step (\d+),")
 STARTED = re.compile(r"unit \d+ \(attempt \d+\): starting from (.+) at epoch \d+, step (\d+),")
 
 
-def command(folder: str, *extra: str) -> list[str]:
+def command(folder: str, *extra: str, duration: str = "6ep") -> list[str]:
     return [
         sys.executable, "-m", "tests.run_lifecycle", "--run_name", "k", "--save_folder", folder,
         "--recipe", "recipes.synthetic:SyntheticRecipe", "--recipe_args", json.dumps(RECIPE_ARGS),
-        "--max_duration", "3ep", "--save_interval", "1ep", "--snapshot_interval", "1ba",
+        "--max_duration", duration, "--save_interval", "1ep", "--snapshot_interval", "1ba",
         "--global_batch_size", "32", "--seed", "7", "--log_every_n_steps", "1", *extra,
     ]  # fmt: skip
 
@@ -65,7 +65,7 @@ def kill_at_random(cmd: list[str], log: Path, seed: int) -> int:
         assert proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, "step 6 not reached"
         time.sleep(0.005)
-    time.sleep(random.Random(seed).uniform(0.0, 2.0))
+    time.sleep(random.Random(seed).uniform(0.0, 1.5))  # the run has ~40 steps left: the kill lands mid-run
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     return max(int(s) for s in STEP.findall(log.read_text()))
@@ -137,6 +137,18 @@ def test_with_fsdp_every_rank_resumes_its_own_shards_from_memory_and_ends_bit_id
     assert finished - 1 <= step, (finished, origin, step)  # the log is a lower bound (above)
     assert_same(weights(folder), weights(uninterrupted))
     assert tier_left(folder) == []
+
+
+def test_with_fsdp_snapshots_a_relaunch_at_a_unit_boundary_matches_an_uninterrupted_run(tmp_path):
+    """A snapshot inside a unit once left its RNG state as the one a warm next unit restores: the uninterrupted run
+    went on with step 7's random stream at step 8, and a relaunch from the store's step 8 did not match it."""
+    fsdp = ("--nproc_per_node", "2", "--parallelism", "fsdp")
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    run_to_completion(command(whole, *fsdp, duration="2ep"), tmp_path / "whole.log")
+    run_to_completion(command(split, *fsdp, duration="1ep"), tmp_path / "first.log")
+    text = run_to_completion(command(split, *fsdp, duration="2ep"), tmp_path / "second.log")
+    assert "starting from checkpoint ep1-ba8-sa256 at epoch 1" in text
+    assert_same(weights(split), weights(whole))
 
 
 def test_with_s3_as_the_store_a_hard_kill_loses_at_most_one_step(tmp_path, reference, s3):

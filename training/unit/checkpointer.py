@@ -88,12 +88,17 @@ class Checkpointer:
 
     def snapshot(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """A snapshot inside a unit (``snapshot_interval``): into host memory now, to the store when the upload before
-        it is done (FSDP: each rank's shards, into host memory only). Every rank calls it. Returns the stall, or None
-        when snapshots fell back to the old way."""
+        it is done (FSDP: each rank's shards, into host memory only). Every rank calls it. Returns the stall: the whole
+        call (the state's dicts, RNG, the copy), or None when snapshots fell back to the old way."""
+        t0 = time.perf_counter()
+        taken = self._snapshot(s, metrics)
+        return None if taken is None else time.perf_counter() - t0
+
+    def _snapshot(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         if self.sharded:
             return self._snapshot_shards(s, metrics)
-        s.rng_state = rng.capture()
-        rng_states = ranks.gather_to_rank0(s.rng_state)  # on rank 0; elsewhere empty
+        # Not kept as s.rng_state: that is the unit end's, which a warm next unit restores.
+        rng_states = ranks.gather_to_rank0(rng.capture())  # on rank 0; elsewhere empty
         if self.snapshots is None:  # another rank than 0 (or snapshots fell back to the old way): nothing to copy
             return 0.0
         progress = s.progress.as_dict()
@@ -113,12 +118,11 @@ class Checkpointer:
 
         if self.snapshots is None:
             return None
-        s.rng_state = rng.capture()
         progress = s.progress.as_dict()
         objects = {
             fsdp.SHARDS_FILE: fsdp.local_shards(s.model, s.optimizer),
             fsdp.EXTRA_FILE: {**s.state.state_dict(SMALL), "progress": progress},
-            fsdp.rank_extra_file(self.world.rank): s.rng_state,
+            fsdp.rank_extra_file(self.world.rank): rng.capture(),  # not s.rng_state (the unit end's, as above)
         }
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True, "parallelism": "fsdp"}
         self._hook(s)
@@ -133,6 +137,8 @@ class Checkpointer:
         self.committer.wait()
         if self.snapshots is not None:
             self.snapshots.remove_tier()
+            self.committer.drop_snapshots()  # and its buffers (page-locked ones too) go back to the machine
+            self.snapshots = None
 
     def save_report(
         self, state: Mapping[str, Any], progress: dict[str, int], metrics: Mapping[str, float], report: int
