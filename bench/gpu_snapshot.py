@@ -6,7 +6,7 @@ A. The stall of ``Checkpointer.snapshot`` against a pinned, ``non_blocking`` dev
    warm-ups (reported apart: each of the first three snapshots allocates and pins a slot); also the time from
    ``snapshot()``'s return to its copy's CUDA event (the copy runs on a side stream and the next
    ``optimizer.step()`` waits for it on the GPU), and the old ways once each (serialization, a synchronous commit).
-B. Throughput: a unit of 140 steps (after a 10-step warm-up unit) of a GPT-2-small-sized model (12 layers, 12 heads, 768 wide, blocks of 256, char
+B. Throughput: a unit of 100 steps (after a 10-step warm-up unit) of a GPT-2-small-sized model (12 layers, 12 heads, 768 wide, blocks of 256, char
    vocabulary: ~1 GB of state) with a snapshot every 1, 10, 100 steps and none, 2 alternating reps.
 
 Flags after the name go to ``python -m bench snapshots`` (they override the ones above). Needs only torch and the
@@ -22,7 +22,7 @@ from bench import snapshots
 
 DEFAULTS = [
     "--parts", "AB", "--device", "cuda", "--threads", "4", "--sizes", "1GB", "2GB", "--reps", "10",
-    "--old_reps", "1", "--b_model", "gpt2", "--steps", "150", "--reps_b", "2", "--batch", "16",
+    "--old_reps", "1", "--b_model", "gpt2", "--steps", "110", "--reps_b", "2", "--batch", "16",
 ]  # fmt: skip
 
 
