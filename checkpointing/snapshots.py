@@ -9,13 +9,13 @@ backward: ``before_step`` makes the next ``optimizer.step()`` wait for it on the
    from then on a relaunch on this machine can resume from it;
 2. the upload thread commits the newest published slot to the store through the one commit path (files ->
    manifest -> ``latest``: ``commit._commit_and_prune``), streaming ``torch.save`` straight from the slot. While one
-   upload runs, newer snapshots keep reaching the host-memory tier; the store gets the newest one when the upload
-   is done, so it is never more than one upload behind. A snapshot taken ``must_upload`` (a unit's last, a
-   preemption's) is always uploaded, and its ``PendingCommit`` reports it.
+   upload runs, newer snapshots keep reaching the host-memory tier; the store gets the newest one once the upload
+   is done and the thread has rested (``UPLOAD_DUTY``). A snapshot taken ``must_upload`` (a unit's last, a
+   preemption's) is always uploaded, in order and at once, and its ``PendingCommit`` reports it.
 
 Slots (at most three, allocated as needed, each the size of the state): the newest published one is never written
-(a kill during a copy leaves it whole), the one being uploaded is never written, the one queued for a must-upload
-is never written; a copy goes to any other. Three cover every case; two suffice when uploads keep pace. When all
+(a kill during a copy leaves it whole), the one being uploaded is never written, the ones queued to upload
+are never written; a copy goes to any other. Three cover every case; two suffice when uploads keep pace. When all
 three are held, the copy waits for the upload (counted in the stall, and logged).
 
 Without the tier (turned off, or ``/dev/shm`` short or not private) the slots are private memory: the same copy,
@@ -167,7 +167,7 @@ class SnapshotPipeline:
         self._lock = threading.Condition()
         self._newest: _Job | None = None  # published, newest
         self._uploading: _Job | None = None
-        self._queued: _Job | None = None  # must upload, waiting for the upload thread
+        self._queued: list[_Job] = []  # must upload, waiting for the upload thread (oldest first)
         self._offered: _Job | None = None  # newest published, may upload
         self._uploaded_seq = -1
         self._closed = False
@@ -281,7 +281,7 @@ class SnapshotPipeline:
         return event
 
     def _free_slot(self) -> int | None:
-        held = {j.slot.index for j in (self._newest, self._uploading, self._queued) if j is not None}
+        held = {j.slot.index for j in (self._newest, self._uploading, *self._queued) if j is not None}
         if self._held_by_tier is not None:
             held.add(self._held_by_tier)
         for index in range(MAX_SLOTS):
@@ -378,10 +378,8 @@ class SnapshotPipeline:
             self._held_by_tier = None  # from now on this process's own snapshots say which slot is newest
             if not job.upload:
                 self._settle(job)
-            elif job.must_upload:
-                if self._queued is not None:  # an older must-upload still waiting: this one is newer and carries it
-                    self._settle(self._queued, superseded_by=job)
-                self._queued = job
+            elif job.must_upload:  # every unit's last snapshot reaches the store, in order
+                self._queued.append(job)
             else:
                 self._offered = job
             self._pump()
@@ -392,20 +390,21 @@ class SnapshotPipeline:
         """Starts the next upload if none runs (lock held): a queued must-upload first, else the newest offered."""
         if self._uploading is not None or self._closed:
             return
-        job = self._queued or self._offered
+        queued = self._queued[0] if self._queued else None
+        job = queued or self._offered
         if job is self._offered and job is not None and job.seq <= self._uploaded_seq:
             job = None
         if job is None:
             return
         wait = self._next_intermediate_at - time.monotonic()
-        if job is not self._queued and wait > 0:  # a snapshot inside a unit: the upload thread rests first
+        if job is not queued and wait > 0:  # a snapshot inside a unit: the upload thread rests first
             if self._timer is None:
                 self._timer = threading.Timer(wait, self._pump_later)
                 self._timer.daemon = True
                 self._timer.start()
             return
-        if job is self._queued:
-            self._queued = None
+        if job is queued:
+            self._queued.pop(0)
         if self._offered is not None and self._offered.seq <= job.seq:
             self._offered = None
         self._uploading = job
@@ -433,7 +432,9 @@ class SnapshotPipeline:
             request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, Retention(), {}, objects)
             log.log(level, "writing checkpoint %s to %s", job.name, t.store.uri)
             t0 = time.perf_counter()
-            info = _commit_and_prune(request)
+            # A transient fault mid-stream fails the whole file: the commit is tried again from the slot, which
+            # holds still while it uploads (its first step removes what the failed try wrote).
+            info = t.store.storage._call(f"upload of checkpoint {job.name}", lambda: _commit_and_prune(request))
             _delete_superseded(t.store, info)
             if not t.metadata.get(INTERMEDIATE):
                 t.retention.apply(t.store)
@@ -463,15 +464,11 @@ class SnapshotPipeline:
                 self._pump()
                 self._lock.notify_all()
 
-    def _settle(
-        self, job: _Job, *, error: BaseException | None = None, info: Any = None, superseded_by: Any = None
-    ) -> None:
+    def _settle(self, job: _Job, *, error: BaseException | None = None, info: Any = None) -> None:
         future = job.pending._future
         if future.done():
             return
-        if superseded_by is not None:  # carried by a newer must-upload: reported when that one is committed
-            superseded_by.pending._future.add_done_callback(lambda f: _copy_outcome(f, future))
-        elif error is not None:
+        if error is not None:
             future.set_exception(error)
         else:
             future.set_result(info)
@@ -480,7 +477,7 @@ class SnapshotPipeline:
     def in_flight(self) -> str | None:
         """The newest snapshot that must reach the store and has not yet (the name a next unit starts from)."""
         with self._lock:
-            jobs = [j for j in (self._queued, self._uploading) if j is not None and j.must_upload]
+            jobs = [j for j in (*self._queued, self._uploading) if j is not None and j.must_upload]
         return max(jobs, key=lambda j: j.seq).name if jobs else None
 
     def wait(self, timeout: float | None = None) -> None:
@@ -491,7 +488,7 @@ class SnapshotPipeline:
         if publishing is not None:
             publishing.result(timeout=timeout)
         with self._lock:
-            while self._queued is not None or (self._uploading is not None and self._uploading.must_upload):
+            while self._queued or (self._uploading is not None and self._uploading.must_upload):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("the snapshot upload is still in flight")
@@ -546,15 +543,6 @@ def _absorb_cuda_error() -> None:
         torch.cuda.synchronize()
     except RuntimeError as exc:
         log.debug("cleared the error a failed page-lock left: %s", exc)
-
-
-def _copy_outcome(source: Future[Any], target: Future[Any]) -> None:
-    if target.done():
-        return
-    if source.exception() is not None:
-        target.set_exception(source.exception())
-    else:
-        target.set_result(source.result())
 
 
 def _delete_superseded(store: Any, newest: Any) -> None:
