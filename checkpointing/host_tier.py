@@ -319,7 +319,7 @@ class HostTier:
         copy = Slot(index, len(buffer), buffer, shared=False)  # type: ignore[arg-type]
         try:
             tensors = [copy.tensor(e) for e in record.tensors]
-            return _rebuild(safe_load(tree, f"host-memory snapshot {record.name}"), tensors)
+            return rebuild(safe_load(tree, f"host-memory snapshot {record.name}"), tensors)
         except (CheckpointError, ValueError, TypeError, IndexError, RecursionError) as exc:
             log.warning("host-memory tier: snapshot %s is damaged (%s); not used", record.name, type(exc).__name__)
             return None
@@ -398,7 +398,7 @@ def _private_dir(parent_fd: int, name: str, shown: str) -> int:
     return fd
 
 
-def _rebuild(node: Any, tensors: list[Any]) -> Any:
+def rebuild(node: Any, tensors: list[Any]) -> Any:
     """The tree with each ``{TENSOR_MARK: i}`` replaced by tensor ``i``."""
     if isinstance(node, dict):
         if len(node) == 1 and TENSOR_MARK in node:
@@ -406,9 +406,9 @@ def _rebuild(node: Any, tensors: list[Any]) -> Any:
             if not isinstance(index, int) or not 0 <= index < len(tensors):
                 raise IndexError("a tensor index is out of range")
             return tensors[index]
-        return {k: _rebuild(v, tensors) for k, v in node.items()}
+        return {k: rebuild(v, tensors) for k, v in node.items()}
     if isinstance(node, list):
-        return [_rebuild(v, tensors) for v in node]
+        return [rebuild(v, tensors) for v in node]
     if isinstance(node, tuple):
-        return tuple(_rebuild(v, tensors) for v in node)
+        return tuple(rebuild(v, tensors) for v in node)
     return node

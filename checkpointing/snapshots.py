@@ -54,6 +54,7 @@ from checkpointing.host_tier import (
     TierUnavailable,
     checksum,
     layout,
+    rebuild,
 )
 
 log = logging.getLogger(__name__)
@@ -103,18 +104,6 @@ def flatten(objects: Any) -> Flat:
         return node
 
     return Flat(walk(objects), tensors)
-
-
-def rebuild(tree: Any, tensors: list[Any]) -> Any:
-    if isinstance(tree, dict):
-        if len(tree) == 1 and TENSOR_MARK in tree:
-            return tensors[tree[TENSOR_MARK]]
-        return {k: rebuild(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [rebuild(v, tensors) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(rebuild(v, tensors) for v in tree)
-    return tree
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------

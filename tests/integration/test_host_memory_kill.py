@@ -117,23 +117,17 @@ def test_a_hard_kill_loses_at_most_one_step_and_the_relaunch_ends_bit_identical(
     assert tier_left(folder) == []
 
 
-def test_with_ddp_a_hard_kill_of_every_process_loses_at_most_one_step_and_ends_bit_identical(tmp_path):
-    ddp = ("--nproc_per_node", "2")
+@pytest.mark.parametrize(
+    "flags, seed",
+    [(("--nproc_per_node", "2"), 5), (("--nproc_per_node", "2", "--parallelism", "fsdp"), 7)],
+    ids=["ddp", "fsdp"],
+)
+def test_a_hard_kill_of_every_rank_loses_at_most_one_step_and_ends_bit_identical(tmp_path, flags, seed):
+    """DDP: rank 0's snapshots, every rank's RNG in them; FSDP: every rank resumes its own shards from memory."""
     uninterrupted = str(tmp_path / "reference")
-    run_to_completion(command(uninterrupted, *ddp), tmp_path / "reference.log")
+    run_to_completion(command(uninterrupted, *flags), tmp_path / "reference.log")
     folder = str(tmp_path / "runs")
-    finished, origin, step = kill_and_relaunch(tmp_path, folder, 5, *ddp)
-    assert finished - 1 <= step, (finished, origin, step)  # the log is a lower bound (above)
-    assert_same(weights(folder), weights(uninterrupted))
-    assert tier_left(folder) == []
-
-
-def test_with_fsdp_every_rank_resumes_its_own_shards_from_memory_and_ends_bit_identical(tmp_path):
-    fsdp = ("--nproc_per_node", "2", "--parallelism", "fsdp")
-    uninterrupted = str(tmp_path / "reference")
-    run_to_completion(command(uninterrupted, *fsdp), tmp_path / "reference.log")
-    folder = str(tmp_path / "runs")
-    finished, origin, step = kill_and_relaunch(tmp_path, folder, 7, *fsdp)
+    finished, origin, step = kill_and_relaunch(tmp_path, folder, seed, *flags)
     assert finished - 1 <= step, (finished, origin, step)  # the log is a lower bound (above)
     assert_same(weights(folder), weights(uninterrupted))
     assert tier_left(folder) == []
