@@ -180,6 +180,7 @@ class Background(Protocol):
     """What the committer waits for besides its own uploads: the snapshot pipeline (checkpointing/snapshots.py)."""
 
     def wait(self, timeout: float | None = None) -> None: ...
+    def keep_newest(self) -> None: ...
     def in_flight(self) -> str | None: ...
     def close(self) -> None: ...
 
@@ -202,6 +203,11 @@ class Committer:
         if self.snapshots is None:
             self.snapshots, self._snapshots_key = make(), key
         return self.snapshots
+
+    def keep_newest_snapshot(self) -> None:
+        """A unit failed in training: its newest snapshot must reach the store (see SnapshotPipeline.keep_newest)."""
+        if self.snapshots is not None:
+            self.snapshots.keep_newest()
 
     def drop_snapshots(self) -> None:
         """Lets the pipeline's uploads land (or fail, logged), then closes it."""

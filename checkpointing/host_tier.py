@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import mmap
 import os
+import re
 import stat
 import time
 from collections.abc import Iterator
@@ -51,6 +53,8 @@ MAX_SLOTS = 3
 TENSOR_MARK = "__host_tensor__"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ALIGN = 4096
+STALE_SECONDS = 24 * 3600  # another run's folder untouched this long, and held by no live process, is removed
+_RUN_KEY = re.compile(r"[0-9a-f]{32}")
 
 # dtype names a record may name: the ones a state dict holds (anything else in a record is damage)
 DTYPES = {
@@ -222,7 +226,16 @@ class HostTier:
         self.key = run_key(store_uri)
         user_dir = os.path.join(self.root, f"resumable-train-{os.getuid()}")
         self.path = os.path.join(user_dir, self.key)
-        self._fd = self._open_private(user_dir, self.key)
+        # A shared lock, held while this process uses the folder (the kernel drops it when the process dies): another
+        # process's sweep of abandoned folders (_sweep_stale) never removes one that a live process holds. Taken after
+        # a sweep that was removing this very folder has finished: then the folder is made again.
+        for _ in range(3):
+            self._fd = self._open_private(user_dir, self.key)
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_SH)
+            if os.fstat(self._fd).st_nlink:
+                break
+            os.close(self._fd)
         self.filesystem = filesystem_type(self.path)
 
     # -- the folder ---------------------------------------------------------------------------------
@@ -236,6 +249,7 @@ class HostTier:
         finally:
             os.close(root_fd)
         try:
+            _sweep_stale(user_fd, keep=key)
             return _private_dir(user_fd, key, self.path)
         finally:
             os.close(user_fd)
@@ -377,6 +391,40 @@ def filesystem_type(path: str) -> str:
     except OSError:
         return ""
     return kind
+
+
+def _sweep_stale(user_fd: int, keep: str) -> None:
+    """Removes other runs' folders that no live process holds and that nothing wrote to for ``STALE_SECONDS``: runs
+    that were abandoned (never completed, never relaunched here) would otherwise keep their snapshots in this
+    machine's memory for good. Only names of the run-key shape are touched; a link or a stranger's entry is left."""
+    now = time.time()
+    try:
+        names = [n for n in os.listdir(user_fd) if n != keep and _RUN_KEY.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=user_fd)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a live process holds the folder
+            entries = os.listdir(fd)
+            newest = max(
+                [os.fstat(fd).st_mtime] + [os.stat(e, dir_fd=fd, follow_symlinks=False).st_mtime for e in entries]
+            )
+            if now - newest < STALE_SECONDS:
+                continue
+            for entry in entries:
+                os.unlink(entry, dir_fd=fd)
+            os.rmdir(name, dir_fd=user_fd)
+            log.info(
+                "removed an abandoned run's snapshots from host memory (untouched for %.0f h)", (now - newest) / 3600
+            )
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
 
 
 def _private_dir(parent_fd: int, name: str, shown: str) -> int:

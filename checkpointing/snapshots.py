@@ -469,6 +469,23 @@ class SnapshotPipeline:
             jobs = [j for j in (*self._queued, self._uploading) if j is not None and j.must_upload]
         return max(jobs, key=lambda j: j.seq).name if jobs else None
 
+    def keep_newest(self) -> None:
+        """Training failed (the process lives on): the newest snapshot, still in publication or resting before its
+        upload, becomes a must-upload, so that a retry (which waits for what is in flight) resumes from it, even where
+        it cannot read this machine's tier (the tier is off, or the retry runs elsewhere)."""
+        self._wait_published()
+        with self._lock:
+            if self._uploading is not None:
+                self._uploading.must_upload = True  # wait() waits for it: it may be the newest
+            job = self._offered
+            if job is None or job.seq <= self._uploaded_seq or self._closed:
+                return
+            job.must_upload = True
+            self._offered = None
+            self._queued.append(job)
+            self._next_intermediate_at = 0.0
+            self._pump()
+
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every must-upload snapshot taken so far is committed; re-raises the failure of one that was
         not. TimeoutError after ``timeout`` seconds (the uploads go on)."""

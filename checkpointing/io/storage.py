@@ -25,7 +25,15 @@ from tenacity import (
     stop_after_delay,
 )
 
-from checkpointing.errors import AccessDeniedError, LinkedLocationError, PermanentStorageError, StorageError
+from checkpointing.errors import (
+    AccessDeniedError,
+    CheckpointError,
+    DamagedFileError,
+    LinkedLocationError,
+    ManifestError,
+    PermanentStorageError,
+    StorageError,
+)
 from checkpointing.io import confine
 from checkpointing.io.hashing import BackgroundSha256
 from checkpointing.io.localfs import LocalFiles
@@ -359,7 +367,7 @@ class Storage:
         a mistyped bucket would read as "no checkpoint yet" and a run would start over)."""
         r = self.retry
         retrying = Retrying(
-            retry=retry_if_exception(is_transient),
+            retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(r.attempts) | stop_after_delay(r.max_seconds),
             wait=_full_jitter(r.initial_wait, r.max_wait),
             before_sleep=lambda state: _log_retry(self.uri(), what, state),
@@ -367,8 +375,8 @@ class Storage:
         )
         try:
             return retrying(fn)
-        except LinkedLocationError:
-            raise  # its own line already says what to do
+        except _OWN_ERRORS:
+            raise  # the product's own typed errors (from a whole commit run under this policy) say what to do
         except FileNotFoundError as exc:
             if not missing_is_error and not no_such_bucket(exc) and not self._missing_bucket():
                 raise
@@ -378,6 +386,16 @@ class Storage:
             ) from exc
         except Exception as exc:
             raise _storage_error(what, self.uri(), exc, self.is_local) from exc
+
+
+_OWN_ERRORS = (LinkedLocationError, CheckpointError, StorageError, ManifestError, DamagedFileError)
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A transient fault of the store itself. The product's own errors are never retried again: a StorageError
+    has had its retries (a whole commit run under this policy calls the store's retried calls), and the others
+    (a commit that did not verify, a fenced writer) would fail the same way."""
+    return not isinstance(exc, _OWN_ERRORS) and is_transient(exc)
 
 
 _JITTER = random.Random()  # the store's own generator: never training's (see training/unit/rng.py)

@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from checkpointing import CheckpointStore
 from checkpointing.commit import CommitTerms
 from checkpointing.errors import TierUnavailable
-from checkpointing.host_tier import HostTier
+from checkpointing.host_tier import STALE_SECONDS, HostTier, Record
 from checkpointing.manifest import Writer
 from checkpointing.snapshots import SnapshotPipeline
 from training.exceptions import InjectedFault
@@ -311,3 +312,20 @@ def test_only_buffers_in_memory_are_page_locked_for_cuda(tmp_path):
     from checkpointing.host_tier import Slot
 
     assert Slot.private(0, 4096).pinnable
+
+
+def test_an_abandoned_runs_folder_is_swept_but_never_one_a_live_process_holds(tmp_path):
+    old, held, fresh = (HostTier(f"file:///runs/{name}", root=str(tmp_path)) for name in ("old", "held", "fresh"))
+    for tier in (old, held, fresh):
+        record = Record("u0", {"samples_seen": 1}, {}, 1, 0, [], 0, "", "", tier.store_uri)
+        tier.publish(tier.allocate(0, 4096), record, b"tree")
+    day_ago = time.time() - STALE_SECONDS - 60
+    for tier in (old, held):
+        for entry in [*os.listdir(tier.path), "."]:
+            os.utime(os.path.join(tier.path, entry), (day_ago, day_ago))
+    old.close()
+    fresh.close()  # closed but recent: a relaunch may still want it
+
+    HostTier("file:///runs/new", root=str(tmp_path))  # opening any run's folder sweeps the others
+    assert not os.path.exists(old.path)
+    assert os.listdir(held.path) and os.listdir(fresh.path)

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
 from checkpointing.commit import PendingCommit
+from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.exceptions import InjectedFault
@@ -113,8 +114,11 @@ def run_unit(
             raise _preempted(stop, pending.name, session, stall, cache)
         if is_complete(session.progress, config.duration):
             checkpointer.finish()  # the run is done only when its last checkpoint is committed
-    except BaseException:
+    except BaseException as exc:
         cache.release(session)  # a failed attempt's state must not leak into the retry
+        if isinstance(exc, Exception) and not isinstance(exc, (CheckpointError, StorageError, Permanent)):
+            # training failed, not the store: the newest snapshot reaches the store before the retry starts
+            cache.committer.keep_newest_snapshot()
         raise
     cache.keep(config, store, session, pending.name)
     if world.rank == 0:
