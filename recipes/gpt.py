@@ -12,6 +12,11 @@ Data: the first 63,889 characters of Shakespeare's *Coriolanus* (public domain),
 90 % is the training split, as nanoGPT's ``data/shakespeare_char/prepare.py`` does. Training sample ``i``
 is the block of ``block_size`` characters starting at offset ``i * stride`` (its targets are the same block
 shifted by one): the sample id is the offset, so the product's sampler owns the data position.
+
+Streaming mode (``recipe_args={"data_url": "s3://bucket/tokens/", "vocab_size": 50304}``): token shards as nanoGPT's
+``prepare.py`` writes them (``.bin`` uint16, or ``.npy``), in a folder or a bucket, read through
+``training.data.ShardedDataset``; sample ``k`` is the ``k``-th non-overlapping block of a shard (docs/data-position.md).
+``data_options`` are the store's fsspec options (an endpoint; credentials come from the environment, never here).
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ from torch.utils.data import Dataset
 from training.config import ConfigError
 
 CORPUS = Path(__file__).with_name("data") / "coriolanus.txt"
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
+
+
+def _flat_keys(options: Any) -> list[str]:
+    if not isinstance(options, dict):
+        return []
+    return [str(k) for k in options] + [k for v in options.values() for k in _flat_keys(v)]
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -168,6 +180,10 @@ class GPTRecipe:
         stride: int = 1,
         val_fraction: float = 0.1,
         compile: bool = False,
+        data_url: str | None = None,
+        val_url: str | None = None,
+        vocab_size: int | None = None,
+        data_options: dict[str, Any] | None = None,
     ):
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
@@ -187,14 +203,41 @@ class GPTRecipe:
         tokens = self.encode(text)
         n_train = int(len(tokens) * (1 - val_fraction))
         self._train, self._val = tokens[:n_train], tokens[n_train:]
+        # Streaming mode: token shards (nanoGPT's train.bin, or many .bin/.npy shards) in a folder or bucket, read by
+        # training.data.ShardedDataset: samples are non-overlapping blocks of the packed stream.
+        self.data_url, self.val_url, self.data_options = data_url, val_url, dict(data_options or {})
+        secret = [k for k in _flat_keys(self.data_options) if any(w in k.lower() for w in _SECRET_WORDS)]
+        if secret:  # recipe_args are recorded with every checkpoint
+            raise ValueError(
+                f"data_options: {secret[0]!r} looks like a credential; recipe_args are stored with the run, so give "
+                f"credentials through the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE)"
+            )
+        if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 2):
+            raise ValueError(f"vocab_size={vocab_size!r}: use a whole number >= 2 (the token shards' vocabulary)")
+        if vocab_size is not None and data_url is None:
+            raise ValueError("vocab_size: only with data_url (the shipped corpus has its own vocabulary)")
+        self.vocab_size = vocab_size or len(self.vocab)
+        self._shards: Any = None
+        if data_url is not None and val_url is None:  # streaming without a validation folder: nothing to evaluate
+            self.evaluate = None  # type: ignore[method-assign,assignment]
 
     def state_dict(self) -> dict[str, str]:
         """Checkpointed with the run: which corpus (and so which vocabulary) the weights were trained on."""
+        if self.data_url is not None:
+            shards: Any = self.train_dataset()
+            return {"shards_sha256": hashlib.sha256(shards.index.to_json()).hexdigest()}
         return {"corpus_sha256": self.corpus_sha256, "vocab": self.vocab}
 
     def load_state_dict(self, state: dict[str, str]) -> None:
         """A resume on another corpus would train on other data, or map characters to the wrong embeddings,
         without an error (recipe_args are the same): refuse it. ConfigError: the product does not retry it."""
+        if self.data_url is not None:
+            if state.get("shards_sha256") != self.state_dict()["shards_sha256"]:
+                raise ConfigError(
+                    f"recipes.gpt: this run's checkpoints were trained on other token shards than {self.data_url} "
+                    f"holds now (their index differs); restore the shards or start a new run_name"
+                )
+            return
         if state.get("corpus_sha256") != self.corpus_sha256:
             raise ConfigError(
                 f"recipes.gpt: this run's checkpoints were trained on a corpus with sha256 "
@@ -209,15 +252,28 @@ class GPTRecipe:
         return "".join(self.vocab[int(i)] for i in tokens)
 
     def train_dataset(self) -> Dataset:
+        if self.data_url is not None:
+            if self._shards is None:
+                self._shards = self._stream(self.data_url)
+            return self._shards
         return Blocks(self._train, self.block_size, self.stride)
+
+    def _stream(self, url: str) -> Any:
+        from training.data import ShardedDataset
+
+        return ShardedDataset(url, "tokens", block_size=self.block_size, storage_options=self.data_options)
 
     def eval_dataset(self) -> Dataset:
         """The validation split in non-overlapping blocks: every character is scored once per evaluation."""
+        if self.data_url is not None:
+            if self.val_url is None:
+                raise ConfigError("recipes.gpt: evaluating streamed token shards needs recipe_args val_url")
+            return self._stream(self.val_url)
         return Blocks(self._val, self.block_size, self.block_size)
 
     def build_model(self) -> nn.Module:
         return CharGPT(
-            len(self.vocab), self.block_size, self.n_layer, self.n_head, self.n_embd, self.dropout, self.bias
+            self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd, self.dropout, self.bias
         )
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:

@@ -26,6 +26,7 @@ for _key in [k for k in os.environ if k.startswith("TRAIN_")]:
 
 # The tests' own recipes, allowed the way a worker allows recipes: in its environment (see training/recipe/loader.py).
 RECORDING = "tests.recipes_for_tests:RecordingRecipe"
+SHARD_RECORDING = "tests.recipes_for_tests:ShardRecordingGPT"
 TEST_RECIPES = ",".join(
     [
         RECORDING,
@@ -36,6 +37,9 @@ TEST_RECIPES = ",".join(
         "tests.recipes_for_tests:TwoOptimizerRecipe",
         "tests.recipes_for_tests:SignalledRecipe",
         "tests.recipes_for_tests:PacedRecipe",
+        SHARD_RECORDING,
+        "tests.recipes_for_tests:StreamRecipe",
+        "tests.recipes_for_tests:WorkerPidRecipe",
         "tests.integration.deploy_recipes:PausingRecipe",
         "tests.integration.deploy_recipes:DyingRecipe",
         "tests.own_loop_recipes:FlakyOwnLoopRecipe,tests.own_loop_recipes:ShortLoopRecipe",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 
+from recipes.gpt import GPTRecipe
 from recipes.synthetic import SyntheticRecipe
 
 BUILT_MODELS: list[weakref.ref] = []
@@ -221,3 +222,72 @@ class TiedHeadRecipe(SyntheticRecipe):
                 return self.head(self.wte(x.long().clamp(0, self.wte.num_embeddings - 1)).mean(1))
 
         return TinyLM(self.in_features, self.hidden)
+
+
+class ShardRecordingGPT(GPTRecipe):
+    """The GPT recipe in streaming mode over token shards whose every token of sample ``g`` is ``g`` (see
+    tests/shard_data.py): each step appends ``<position> <ids>`` to ``<record_dir>/read-rank<r>.txt``, the ids read
+    from the data itself (not the sampler's), so the tests see what training was fed and where in the run."""
+
+    def __init__(self, record_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        self.record_dir = record_dir
+
+    def loss(self, model, batch):
+        x, _ = batch
+        if self.ctx.batch_weight > 0:  # an empty share's zero-weight pass trains nothing
+            rank = int(os.environ.get("RANK", "0"))
+            os.makedirs(self.record_dir, exist_ok=True)
+            with open(os.path.join(self.record_dir, f"read-rank{rank}.txt"), "a") as f:
+                f.write(f"{self.ctx.samples_seen} " + " ".join(str(int(i)) for i in x[:, 0]) + "\n")
+        return super().loss(model, batch)
+
+
+class StreamRecipe(SyntheticRecipe):
+    """A recipe whose train_dataset() is an IterableDataset (``stateful``: with state_dict/load_state_dict)."""
+
+    def __init__(self, stateful: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.stateful = stateful
+
+    def train_dataset(self):
+        import torch.utils.data
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                yield from ()
+
+        class StatefulStream(Stream):
+            def state_dict(self):
+                return {}
+
+            def load_state_dict(self, state):
+                pass
+
+        return StatefulStream() if self.stateful else Stream()
+
+
+class WorkerPidRecipe(SyntheticRecipe):
+    """Appends the pid of the process that loads each sample to ``<record_dir>/pids.txt``: the loader-worker tests
+    count the processes that served a run."""
+
+    def __init__(self, record_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        self.record_dir = record_dir
+
+    def train_dataset(self):
+        return _PidRecording(super().train_dataset(), self.record_dir)
+
+
+class _PidRecording:
+    def __init__(self, dataset, record_dir: str):
+        self.dataset, self.record_dir = dataset, record_dir
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        os.makedirs(self.record_dir, exist_ok=True)
+        with open(os.path.join(self.record_dir, "pids.txt"), "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return self.dataset[i]

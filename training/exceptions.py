@@ -16,6 +16,7 @@ from checkpointing.errors import Permanent
 
 __all__ = [
     "ConfigError",
+    "DataError",
     "DistributedUnitError",
     "InjectedFault",
     "LoopEndedEarlyError",
@@ -39,6 +40,11 @@ class ReportError(ConfigError):
 
 class LoopEndedEarlyError(ConfigError):
     """``train_loop`` returned before any report reached ``max_duration``. Never retried."""
+
+
+class DataError(ValueError, Permanent):
+    """Streaming data that does not match its shard index, or that cannot be read as its format (training/data/): the
+    message names the shard and the fix. Never retried: the same data fails the same way."""
 
 
 class OfferRefused(ConfigError):

@@ -123,6 +123,13 @@ class LocalFiles:
     # -- operations ----------------------------------------------------------------------------
     def read(self, key: str, chunk_size: int = _CHUNK) -> Iterator[bytes]:
         """Yields the file's bytes in chunks; UnsafePathError for a link or anything not a regular file."""
+        with self.open_read(key) as f:
+            while chunk := f.read(chunk_size):
+                yield chunk
+
+    def open_read(self, key: str) -> IO[bytes]:
+        """The file opened for reading, never through a link; UnsafePathError for a link or anything not a regular
+        file."""
         parts = self._parts(key)
         with self._folder(parts[:-1], create=False) as folder:
             try:
@@ -131,11 +138,11 @@ class LocalFiles:
                 if exc.errno == errno.ELOOP:
                     raise self._damage(parts, "a symbolic link") from exc
                 raise
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise self._damage(parts, "not a regular file")
-            while chunk := f.read(chunk_size):
-                yield chunk
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
+            raise self._damage(parts, "not a regular file")
+        return f
 
     def write(self, key: str, data: bytes) -> None:
         """Replaces ``key`` whole: a temporary file in the same folder (exclusive, never a link), fsync'ed when

@@ -285,6 +285,29 @@ class Storage:
 
         return self._call(f"get {key}", read)
 
+    def open_read(self, key: str) -> IO[bytes]:
+        """A file handle to read ``key`` from (seekable; not retried: the caller redoes the whole read). Locally, never
+        through a link."""
+        if self.local is not None:
+            return self._call(f"open {key}", lambda: self.local.open_read(key))  # type: ignore[union-attr]
+        return self._call(f"open {key}", lambda: self.fs.open(self.path(key), "rb"))
+
+    def download(self, key: str, path: str, expected_size: int) -> int:
+        """Copies ``key`` into the local file ``path`` (made, or truncated), retrying the whole copy on a transient
+        fault; stops reading past ``expected_size`` bytes. Returns the bytes the object held (up to one past)."""
+
+        def copy() -> int:
+            total = 0
+            with open(path, "wb") as out:
+                for chunk in self._chunks(key):
+                    out.write(chunk)
+                    total += len(chunk)
+                    if total > expected_size:
+                        break
+            return total
+
+        return self._call(f"read {key}", copy)
+
     def _chunks(self, key: str) -> Iterator[bytes]:
         if self.local is not None:
             yield from self.local.read(key)

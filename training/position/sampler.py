@@ -9,6 +9,9 @@ Public: a loop of your own (``train_loop``) can use it to resume its DataLoader 
     sampler = ResumableBatchSampler(len(dataset), 64, seed=0, epoch=state["epoch"], start=state["sample_in_epoch"])
     loader = DataLoader(dataset, batch_sampler=sampler)
 
+A dataset with an ``epoch_order(seed, epoch, shuffle)`` method (streaming shards: training/data/) passes it as
+``order``: the sampler then visits the dataset's own order, which must be a permutation of the ids.
+
 With ``micro_batches=k`` every rank's share of a step is loaded as ``k`` separate micro-batches
 (gradient accumulation): the DataLoader yields ``k`` batches per step, and ``steps()`` says which ids
 each one holds.
@@ -17,6 +20,8 @@ each one holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -69,6 +74,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
         micro_batches: int = 1,
+        order: Callable[[int, int, bool], Any] | None = None,
     ):
         stop = num_samples if stop is None else stop
         if micro_batches < 1:
@@ -78,13 +84,21 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.seed, self.epoch, self.start, self.stop, self.shuffle = seed, epoch, start, stop, shuffle
         self.rank, self.world_size, self.micro_batches = rank, world_size, micro_batches
-        self._order: torch.Tensor | None = None
+        self._order_of = order
+        self._order: Any = None
 
     @property
-    def order(self) -> torch.Tensor:
-        """The epoch's order, built once (O(n)): ``shares`` and the DataLoader's ``__iter__`` both walk it."""
+    def order(self) -> Any:
+        """The epoch's order, built once (O(n)): ``shares`` and the DataLoader's ``__iter__`` both walk it. A
+        dataset's own ``epoch_order(seed, epoch, shuffle)`` (``order``: streaming shards, training/data/) is used
+        instead: sliced a window at a time, it costs the windows a position touches, not the epoch before it."""
         if self._order is None:
-            self._order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+            if self._order_of is not None:
+                self._order = self._order_of(self.seed, self.epoch, self.shuffle)
+                if len(self._order) != self.num_samples:
+                    raise ValueError(f"the dataset's epoch_order has {len(self._order)} ids for {self.num_samples}")
+            else:
+                self._order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
         return self._order
 
     def shares(self):

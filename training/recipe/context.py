@@ -46,6 +46,7 @@ class RunContext:
     scaler: Any = None  # fp16's GradScaler, else None
     batch_weight: float = 1.0  # this batch's share of the global batch, times world_size (see backward)
     last_grad_norm: float | None = None  # the gradient norm before clipping, of the last step()
+    samples_seen: int = 0  # the run's data position before this step: samples every rank took so far
 
     @classmethod
     def of(

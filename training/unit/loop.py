@@ -9,6 +9,7 @@ checkpoint there, and raises ``Preempted``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -201,6 +202,8 @@ def _train(
         sampler, loader = _loader(config, s, epoch_size)
         unit_over, batches = False, iter(loader)
         for micro, global_n in sampler.steps():
+            if s.ctx is not None:
+                s.ctx.samples_seen = p.samples_seen
             if s.hooks.on_train_batch is not None:
                 s.hooks.on_train_batch([i for ids in micro for i in ids])  # every step, even an empty share
             if s.hooks.train_step is not None:
@@ -285,7 +288,11 @@ def _evaluate(config: TrainConfig, s: Session) -> dict[str, float]:
     return out
 
 
-def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[ResumableBatchSampler, DataLoader]:
+def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[ResumableBatchSampler, Any]:
+    """The sampler from the run's position, and the loader that loads what it yields. With ``num_workers > 0`` the
+    loader is made once per session and its worker processes live across units and epochs (a unit boundary costs no
+    worker start): only the sampler changes, and the workers' random numbers come from each batch's sample ids, so
+    a worker's history (how many units it served, where the run resumed) changes nothing it loads."""
     p = s.progress
     left = samples_left(p, config.duration)
     stop = epoch_size if left is None else min(epoch_size, p.sample_in_epoch + left)
@@ -300,21 +307,79 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
         rank=s.world.rank,
         world_size=s.world.size,
         micro_batches=config.grad_accumulation if s.hooks.train_step is None else 1,
+        order=getattr(s.dataset, "epoch_order", None),
     )
-    # The loader's own generator (worker seeds) is derived from the position, not from global RNG.
-    generator = torch.Generator().manual_seed(hash((config.seed, p.epoch, p.sample_in_epoch, s.world.rank)) % 2**63)
-    # forkserver: workers forked straight from a Prefect process (which runs threads) died at exit.
-    context = "forkserver" if config.num_workers else None
-    loader = DataLoader(
-        s.dataset,
-        batch_sampler=sampler,
-        num_workers=config.num_workers,
-        generator=generator,
-        collate_fn=s.hooks.collate_fn,
-        pin_memory=s.device.type == "cuda",
-        multiprocessing_context=context,
+    # Every loader has a generator of its own: starting an iteration draws a seed from it, and from torch's global
+    # generator (the run's own, checkpointed) without one.
+    if not config.num_workers:
+        return sampler, DataLoader(
+            s.dataset,
+            batch_sampler=sampler,
+            collate_fn=s.hooks.collate_fn,
+            pin_memory=s.device.type == "cuda",
+            generator=torch.Generator(),
+        )
+    if s.loader is None:
+        # forkserver: workers forked straight from a Prefect process (which runs threads) died at exit.
+        s.loader = DataLoader(
+            _SeededByBatch(s.dataset, config.seed),
+            batch_sampler=_CurrentSampler(),
+            num_workers=config.num_workers,
+            collate_fn=s.hooks.collate_fn,
+            pin_memory=s.device.type == "cuda",
+            multiprocessing_context="forkserver",
+            persistent_workers=True,
+            generator=torch.Generator(),
+        )
+    s.loader.batch_sampler.current = sampler  # read when the loader's next iteration starts
+    return sampler, s.loader
+
+
+class _CurrentSampler:
+    """The batch sampler of a loader that outlives units: it yields what the current unit's sampler yields."""
+
+    current: Any = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.current)
+
+    def __len__(self) -> int:
+        return len(self.current)
+
+
+class _SeededByBatch(torch.utils.data.Dataset):
+    """The recipe's dataset as a loader worker sees it: before each batch the worker's random generators (torch,
+    random, numpy) are seeded from the run's seed and the batch's sample ids, so augmentation draws the same numbers
+    for the same batch whatever the worker loaded before."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def __getitems__(self, ids: list[int]) -> list[Any]:
+        if torch.utils.data.get_worker_info() is not None:
+            _seed_worker(self.seed, ids)
+        many = getattr(self.dataset, "__getitems__", None)
+        return list(many(ids)) if many is not None else [self.dataset[i] for i in ids]
+
+
+def _seed_worker(seed: int, ids: list[int]) -> None:
+    import random
+
+    import numpy as np
+
+    digest = hashlib.blake2b(
+        f"{seed}:{len(ids)}:{ids[0] if ids else -1}:{ids[-1] if ids else -1}".encode(), digest_size=8
     )
-    return sampler, loader
+    value = int.from_bytes(digest.digest(), "little")
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
 
 
 def _step(s: Session, micro: list[list[int]], global_n: int, batches: Iterator[Any]) -> float:

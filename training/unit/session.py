@@ -84,6 +84,7 @@ class Session:
     rng_state: dict[str, Any] | None = None
     data_skip_applied: dict[str, Any] | None = None  # the data-skip options already applied to this run
     hooks: Hooks = field(default_factory=Hooks)
+    loader: Any = None  # with num_workers > 0: one DataLoader whose worker processes live across units
 
     @property
     def state(self) -> TrainState:

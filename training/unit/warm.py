@@ -78,6 +78,7 @@ class SessionCache:
         if self._session is session:
             self._session, self._key = None, ()
         session.model = session.optimizer = session.scheduler = session.forward_model = None  # type: ignore[assignment]
+        session.loader = None  # its worker processes end with it
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,472 @@
+"""Streaming data: a folder of shards in any store the product reads (a local folder, ``s3://``, the fsspec protocols
+it supports), seen by training as one map-style dataset whose index is a global sample id.
+
+    from training.data import ShardedDataset
+
+    def train_dataset(self):
+        return ShardedDataset("s3://corpus/tokens/", "tokens", block_size=1024)
+
+Because every sample has one id (training/data/index.py), the product's data position applies unchanged: a run resumes
+at the exact sample after any kill, and across global batch size and world size changes, with 0 repeats and 0
+omissions. The epoch's order (``epoch_order``) needs no state to survive a resume: the shards are shuffled from (seed,
+epoch), then the samples within each window of ``shuffle_window`` consecutive shards of that order; a position in it is
+found by arithmetic, never by reading what came before (so a resume at 90 % of an epoch starts as fast as one at 10 %).
+
+Formats (``format``):
+
+- ``"tokens"``: token arrays as nanoGPT writes them, ``.bin`` (raw ``dtype``, uint16 by default) or ``.npy``; sample
+  ``k`` of a shard is ``(x, y)`` = tokens ``[k*block_size, (k+1)*block_size)`` and the same shifted by one (int64).
+  Samples do not cross shards: the last ``< block_size + 1`` tokens of a shard are not trained on.
+- ``"jsonl"``: one JSON value per non-empty line (a dict, usually); a line longer than ``max_sample_bytes`` stops the
+  run with one line instead of reading 10 GB into memory.
+- ``"parquet"``: one row per sample, a dict of column -> value (``columns`` picks some); needs pyarrow.
+
+Shards of a remote store are read whole into a local cache folder bounded by ``cache_bytes`` (least recently used
+shards leave first), and memory-mapped from there; a local folder is read in place. WebDataset tars and MosaicML MDS
+are not read: a tar's samples are only found by reading it through (no index inside), and MDS ships its own resumable
+reader tied to a fixed global batch size, which is what this one exists to avoid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from checkpointing.io.storage import Storage
+from checkpointing.io.untrusted import parse_json
+from training.data.index import Shard, open_index
+from training.exceptions import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("tokens", "jsonl", "parquet")
+EXTENSIONS = {"tokens": (".bin", ".npy"), "jsonl": (".jsonl",), "parquet": (".parquet",)}
+TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
+CACHE_ENV = "TRAIN_DATA_CACHE_DIR"
+_MIX = 0x5AD_5EED  # keeps the data order's stream apart from any other seeded by the same (seed, epoch)
+_OPEN_SHARDS = 8  # readers kept open per process (memory maps: page cache, not process memory)
+_NPY_HEADER_MAX = 1 << 16
+
+
+class ShardedDataset(Dataset):
+    """A folder of ``format`` shards at ``url`` as one dataset indexed by global sample id (see the module's text)."""
+
+    def __init__(
+        self,
+        url: str,
+        format: str,
+        *,
+        block_size: int | None = None,
+        dtype: str = "uint16",
+        columns: Sequence[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        shuffle_window: int = 4,
+        cache_dir: str | None = None,
+        cache_bytes: int = 4 << 30,
+        max_sample_bytes: int = 16 << 20,
+    ):
+        if format not in FORMATS:
+            raise ConfigError(f"format={format!r}: use one of {', '.join(FORMATS)}")
+        if format == "tokens" and (type(block_size) is not int or block_size < 1):
+            raise ConfigError(f"block_size={block_size!r}: token shards need a whole number of tokens >= 1 per sample")
+        if format == "tokens" and dtype not in TOKEN_DTYPES:
+            raise ConfigError(f"dtype={dtype!r}: use one of {', '.join(TOKEN_DTYPES)} (the .bin files' token type)")
+        if type(shuffle_window) is not int or shuffle_window < 1:
+            raise ConfigError(f"shuffle_window={shuffle_window!r}: use a whole number of shards >= 1")
+        if type(cache_bytes) is not int or cache_bytes < 1 << 20:
+            raise ConfigError(f"cache_bytes={cache_bytes!r}: use at least 1 MiB (1048576)")
+        if type(max_sample_bytes) is not int or max_sample_bytes < 1:
+            raise ConfigError(f"max_sample_bytes={max_sample_bytes!r}: use a whole number of bytes >= 1")
+        self.url, self.format, self.block_size, self.dtype = url, format, block_size, dtype
+        self.columns = list(columns) if columns is not None else None
+        self.storage_options = dict(storage_options or {})
+        self.shuffle_window, self.cache_bytes, self.max_sample_bytes = shuffle_window, cache_bytes, max_sample_bytes
+        self.cache_dir = cache_dir or os.environ.get(CACHE_ENV) or _default_cache_dir()
+        if format == "parquet":
+            _pyarrow()  # at construction: a missing dependency is one line before any training
+        self._storage: Storage | None = None
+        self._readers: OrderedDict[int, _Reader] = OrderedDict()
+        self._lock = threading.Lock()
+        params: dict[str, Any] = {"block_size": block_size, "dtype": dtype} if format == "tokens" else {}
+        self.index = open_index(self.storage, format, params, EXTENSIONS[format], self._count)
+
+    def __repr__(self) -> str:  # never the storage options: they may hold credentials
+        return f"ShardedDataset({self.url!r}, {self.format!r}, {len(self.index.shards)} shards, {len(self)} samples)"
+
+    # -- the dataset -------------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    def __getitem__(self, i: int) -> Any:
+        j, k = self.index.locate(int(i))
+        return self._reader(j).sample(k)
+
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> WindowedOrder:
+        """The order in which epoch ``epoch`` visits the sample ids (ResumableBatchSampler uses it when the dataset
+        has one): shards shuffled, then samples within windows of ``shuffle_window`` shards."""
+        return WindowedOrder([s.samples for s in self.index.shards], seed, epoch, self.shuffle_window, shuffle)
+
+    # -- processes ---------------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a DataLoader worker receives: no open files, no client (each process makes its own)."""
+        state = dict(self.__dict__)
+        state.update(_storage=None, _readers=OrderedDict(), _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def storage(self) -> Storage:
+        if self._storage is None:
+            self._storage = Storage(self.url, self.storage_options)
+        return self._storage
+
+    # -- shards ------------------------------------------------------------------------------------------------------
+    def _reader(self, j: int) -> _Reader:
+        with self._lock:
+            reader = self._readers.get(j)
+            if reader is not None:
+                self._readers.move_to_end(j)
+                return reader
+        shard = self.index.shards[j]
+        reader = _READERS[self.format](self, shard, self._local(shard))
+        with self._lock:
+            self._readers[j] = reader
+            while len(self._readers) > _OPEN_SHARDS:
+                self._readers.popitem(last=False)[1].close()
+        return reader
+
+    def _local(self, shard: Shard) -> _Local:
+        """The shard as a local file: in place for a local folder, else a copy in the bounded cache."""
+        storage = self.storage
+        if storage.is_local:
+            f = storage.open_read(shard.name)
+            size = os.fstat(f.fileno()).st_size
+            if size != shard.size:
+                f.close()
+                raise _size_error(storage, shard, size)
+            return _Local(f, shard.name)
+        path = _cache_fetch(storage, shard, self.cache_dir, self.cache_bytes)
+        return _Local(open(path, "rb"), shard.name)
+
+    def _count(self, name: str, size: int) -> int:
+        """A shard's samples, for an index being built."""
+        shard = Shard(name, size, 0)
+        if self.format == "tokens":
+            tokens = _token_count(self.storage, shard, self.dtype)
+            return max(0, (tokens - 1) // int(self.block_size))  # type: ignore[arg-type]
+        if self.format == "parquet":
+            with self.storage.open_read(name) as f:
+                return int(_parquet_file(f, self.storage, name).metadata.num_rows)
+        with contextlib.closing(_JsonlReader(self, shard, self._local(shard), counting=True)) as reader:
+            return reader.count
+
+
+# -- readers -------------------------------------------------------------------------------------------------------
+class _Local:
+    def __init__(self, f: io.BufferedReader | Any, name: str):
+        self.file, self.name = f, name
+
+
+class _Reader:
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local):
+        self.ds, self.shard, self.local = ds, shard, local
+
+    def sample(self, k: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.local.file.close()
+
+    def where(self) -> str:
+        return self.ds.storage.uri(self.shard.name)
+
+
+class _TokenReader(_Reader):
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local):
+        super().__init__(ds, shard, local)
+        dtype, offset, count = _token_layout(local.file, shard.name, ds.dtype, shard.size, ds.storage)
+        self.tokens = np.memmap(local.file, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else None
+        block = int(ds.block_size)  # type: ignore[arg-type]
+        if max(0, (count - 1) // block) != shard.samples:
+            raise DataError(
+                f"{self.where()}: {count} tokens hold {max(0, (count - 1) // block)} samples of {block}, the index "
+                f"says {shard.samples}: the shard changed; restore it, or delete the index for a new run"
+            )
+        self.block = block
+
+    def sample(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.tokens is not None
+        chunk = torch.from_numpy(self.tokens[k * self.block : (k + 1) * self.block + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+    def close(self) -> None:
+        self.tokens = None
+        super().close()
+
+
+class _JsonlReader(_Reader):
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local, counting: bool = False):
+        super().__init__(ds, shard, local)
+        self.starts, self.ends = _line_offsets(local.file, ds.max_sample_bytes, self.where)
+        self.count = len(self.starts)
+        if not counting and self.count != shard.samples:
+            raise DataError(
+                f"{self.where()}: {self.count} lines, the index says {shard.samples}: the shard changed; restore it, "
+                f"or delete the index for a new run"
+            )
+
+    def sample(self, k: int) -> Any:
+        f, start = self.local.file, int(self.starts[k])
+        f.seek(start)
+        data = f.read(int(self.ends[k]) - start)
+        try:
+            return parse_json(data, self.ds.max_sample_bytes, allow_nan=False)
+        except Exception as exc:
+            raise DataError(f"{self.where()}: line {k + 1} is not JSON this reader takes ({exc})") from None
+
+
+class _ParquetReader(_Reader):
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local):
+        super().__init__(ds, shard, local)
+        self.file = _parquet_file(local.file, ds.storage, shard.name)
+        meta = self.file.metadata
+        if meta.num_rows != shard.samples:
+            raise DataError(
+                f"{self.where()}: {meta.num_rows} rows, the index says {shard.samples}: the shard changed; restore "
+                f"it, or delete the index for a new run"
+            )
+        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        self.group_starts = np.cumsum([0, *sizes])
+        self._group: tuple[int, list[dict[str, Any]]] | None = None
+
+    def sample(self, k: int) -> dict[str, Any]:
+        g = int(np.searchsorted(self.group_starts, k, side="right")) - 1
+        if self._group is None or self._group[0] != g:
+            try:
+                table = self.file.read_row_group(g, columns=self.ds.columns)
+            except Exception as exc:
+                raise DataError(f"{self.where()}: row group {g} cannot be read ({type(exc).__name__})") from None
+            self._group = (g, table.to_pylist())
+        return self._group[1][k - int(self.group_starts[g])]
+
+
+_READERS: dict[str, type[_Reader]] = {"tokens": _TokenReader, "jsonl": _JsonlReader, "parquet": _ParquetReader}
+
+
+def _token_layout(f: Any, name: str, dtype: str, size: int, storage: Storage) -> tuple[np.dtype, int, int]:
+    """(dtype, byte offset of token 0, tokens) of a token shard: ``.npy`` says in its header, ``.bin`` is raw."""
+    if not name.endswith(".npy"):
+        dt = np.dtype(dtype)
+        if size % dt.itemsize:
+            raise DataError(f"{storage.uri(name)}: {size} bytes is not a whole number of {dtype} tokens")
+        return dt, 0, size // dt.itemsize
+    f.seek(0)
+    head = f.read(_NPY_HEADER_MAX)
+    try:
+        buffer = io.BytesIO(head)
+        version = np.lib.format.read_magic(buffer)
+        fmt = np.lib.format
+        read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}[version]
+        shape, _, dt = read(buffer, max_header_size=_NPY_HEADER_MAX)
+    except Exception as exc:
+        raise DataError(f"{storage.uri(name)}: not a .npy file numpy reads ({type(exc).__name__})") from None
+    if len(shape) != 1 or dt.kind not in "iu" or dt.hasobject:
+        raise DataError(f"{storage.uri(name)}: a .npy token shard must be one dimension of integers, not {dt} {shape}")
+    offset = buffer.tell()
+    if offset + shape[0] * dt.itemsize > size:
+        raise DataError(
+            f"{storage.uri(name)}: its header says {shape[0]} tokens, the file holds fewer; restore the shard"
+        )
+    return dt, offset, int(shape[0])
+
+
+def _token_count(storage: Storage, shard: Shard, dtype: str) -> int:
+    if not shard.name.endswith(".npy"):
+        return _token_layout(None, shard.name, dtype, shard.size, storage)[2]
+    with storage.open_read(shard.name) as f:
+        return _token_layout(f, shard.name, dtype, shard.size, storage)[2]
+
+
+def _line_offsets(f: Any, limit: int, where: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end byte of every non-empty line, read in chunks: a line longer than ``limit`` stops it early."""
+    starts, ends, base, line_start, number = [], [], 0, 0, 0
+    f.seek(0)
+    while chunk := f.read(8 << 20):
+        arr = np.frombuffer(chunk, dtype=np.uint8)
+        newlines = np.flatnonzero(arr == 10) + base
+        begins = np.concatenate(([line_start], newlines[:-1] + 1)) if len(newlines) else np.empty(0, np.int64)
+        if len(newlines):
+            lengths = newlines - begins
+            if (lengths > limit).any():
+                bad = int(np.flatnonzero(lengths > limit)[0])
+                raise DataError(
+                    f"{where()}: line {number + bad + 1} is longer than max_sample_bytes={limit}; raise it, or split "
+                    f"the line"
+                )
+            keep = lengths > 0
+            starts.append(begins[keep])
+            ends.append(newlines[keep])
+            number += len(newlines)
+            line_start = int(newlines[-1]) + 1
+        base += len(chunk)
+        if base - line_start > limit:
+            raise DataError(
+                f"{where()}: line {number + 1} is longer than max_sample_bytes={limit}; raise it, or split the line"
+            )
+    if base > line_start:  # a last line without a newline
+        starts.append(np.array([line_start]))
+        ends.append(np.array([base]))
+    cat = np.concatenate
+    return (cat(starts) if starts else np.empty(0, np.int64)), (cat(ends) if ends else np.empty(0, np.int64))
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(
+            "format='parquet' needs pyarrow: pip install 'resumable-train[data]' (or pyarrow) where the run trains"
+        ) from None
+    return pq
+
+
+def _parquet_file(f: Any, storage: Storage, name: str) -> Any:
+    pq = _pyarrow()
+    try:
+        return pq.ParquetFile(f)
+    except Exception as exc:
+        raise DataError(f"{storage.uri(name)}: not a Parquet file pyarrow reads ({type(exc).__name__})") from None
+
+
+# -- the cache -----------------------------------------------------------------------------------------------------
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "resumable-train", "shards")
+
+
+def _size_error(storage: Storage, shard: Shard, size: int) -> DataError:
+    return DataError(
+        f"{storage.uri(shard.name)} is {size} bytes, the index says {shard.size}: the shard changed or was cut short; "
+        f"restore it, or delete the index for a new run"
+    )
+
+
+def _cache_fetch(storage: Storage, shard: Shard, root: str, max_bytes: int) -> str:
+    """The shard's path in the cache, read into it whole if it is not there (at its indexed size)."""
+    if shard.size > max_bytes:
+        raise DataError(
+            f"{storage.uri(shard.name)} is {shard.size} bytes, more than cache_bytes={max_bytes}; raise cache_bytes "
+            f"above the largest shard"
+        )
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    folder = os.path.join(root, hashlib.sha256(storage.url.encode()).hexdigest()[:32])
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        raise DataError(f"cache folder {folder} is not a folder of its own (a link?); remove it")
+    target = os.path.join(folder, shard.name)
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(target)
+        if os.path.isfile(target) and not os.path.islink(target) and st.st_size == shard.size:
+            os.utime(target)  # most recently used
+            return target
+    _evict(root, shard.size, max_bytes)
+    part = f"{target}.part-{os.getpid()}-{threading.get_ident()}"
+    try:
+        size = storage.download(shard.name, part, shard.size)
+        if size != shard.size:
+            raise _size_error(storage, shard, size)
+        os.replace(part, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+    return target
+
+
+def _evict(root: str, need: int, limit: int) -> None:
+    """Removes the least recently used shards of the cache (every dataset's) until ``need`` more bytes fit in
+    ``limit``. A shard being read into the cache by another process (``.part-``) is counted, never removed."""
+    files = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+        if total + need <= limit:
+            break
+        if ".part-" in os.path.basename(path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a reader that has it mapped keeps its pages
+        total -= size
+
+
+# -- the order -----------------------------------------------------------------------------------------------------
+class WindowedOrder:
+    """An epoch's sample order, computed a window at a time: ``order[a:b]`` and ``order[i]`` cost the windows they
+    touch, never the epoch before them. Shards are permuted from (seed, epoch); each window of ``window`` consecutive
+    shards of that permutation has its samples permuted from (seed, epoch, window number)."""
+
+    def __init__(self, counts: Sequence[int], seed: int, epoch: int, window: int, shuffle: bool = True):
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        n = len(counts)
+        starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        perm = self._rng(-1).permutation(n) if shuffle else np.arange(n)
+        self.groups = [perm[w : w + window] for w in range(0, n, window)]
+        self.starts, self.counts = starts, np.asarray(counts, dtype=np.int64)
+        sizes = [int(self.counts[g].sum()) for g in self.groups]
+        self.window_starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _rng(self, window: int) -> np.random.Generator:
+        return np.random.Generator(np.random.PCG64([_MIX, self.seed & (2**63 - 1), self.epoch, window + 1]))
+
+    def __len__(self) -> int:
+        return int(self.window_starts[-1])
+
+    def window(self, w: int) -> np.ndarray:
+        ids = self._cache.get(w)
+        if ids is None:
+            parts = [np.arange(self.starts[s], self.starts[s] + self.counts[s]) for s in self.groups[w]]
+            ids = np.concatenate(parts) if parts else np.empty(0, np.int64)
+            if self.shuffle:
+                ids = ids[self._rng(w).permutation(len(ids))]
+            self._cache[w] = ids
+            while len(self._cache) > 2:
+                self._cache.popitem(last=False)
+        return ids
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise ValueError("an epoch order is sliced in order only")
+            parts = []
+            while start < stop:
+                w = int(np.searchsorted(self.window_starts, start, side="right")) - 1
+                begin, end = int(self.window_starts[w]), int(self.window_starts[w + 1])
+                parts.append(self.window(w)[start - begin : min(stop, end) - begin])
+                start = min(stop, end)
+            return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, np.int64))
+        i = int(key) + (len(self) if key < 0 else 0)
+        if not 0 <= i < len(self):
+            raise IndexError(key)
+        w = int(np.searchsorted(self.window_starts, i, side="right")) - 1
+        return torch.tensor(int(self.window(w)[i - int(self.window_starts[w])]))
