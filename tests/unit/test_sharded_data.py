@@ -125,6 +125,23 @@ def test_a_bucket_is_read_through_a_bounded_cache(s3, tmp_path):
     assert len([f for f in cache.rglob("*.bin")]) <= 2
 
 
+def test_the_sampler_reaching_a_window_reads_its_shards_and_the_next_windows_ahead(s3, tmp_path):
+    folder, options = s3
+    url = f"{folder.rsplit('/', 1)[0]}/tokens"
+    write_token_shards(url, options)
+    cache = tmp_path / "cache"
+    ds = ShardedDataset(
+        url, "tokens", block_size=BLOCK, storage_options=options, cache_dir=str(cache), shuffle_window=2
+    )
+    order = ds.epoch_order(seed=1, epoch=0)
+    order[0:1]  # what the sampler does as it starts the epoch
+    for future in list(ds._fetching.values()):
+        future.result(timeout=60)
+    ahead = {f"shard-{int(j):03d}.bin" for g in order.groups[:2] for j in g}
+    assert {f.name for f in cache.rglob("*.bin")} == ahead  # windows 0 and 1, nothing else, before any sample is read
+    assert ds[int(order[0])][0][0].item() == int(order[0])
+
+
 # -- the order -------------------------------------------------------------------------------------------------------
 def test_the_epoch_order_is_a_permutation_found_by_arithmetic_not_by_reading_what_came_before():
     order = WindowedOrder(list(SAMPLES), seed=3, epoch=1, window=2)

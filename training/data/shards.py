@@ -36,7 +36,8 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,8 @@ class ShardedDataset(Dataset):
         self._storage: Storage | None = None
         self._readers: OrderedDict[int, _Reader] = OrderedDict()
         self._lock = threading.Lock()
+        self._fetcher: ThreadPoolExecutor | None = None
+        self._fetching: dict[int, Future[str]] = {}
         params: dict[str, Any] = {"block_size": block_size, "dtype": dtype} if format == "tokens" else {}
         self.index = open_index(self.storage, format, params, EXTENSIONS[format], self._count)
 
@@ -115,13 +118,38 @@ class ShardedDataset(Dataset):
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> WindowedOrder:
         """The order in which epoch ``epoch`` visits the sample ids (ResumableBatchSampler uses it when the dataset
         has one): shards shuffled, then samples within windows of ``shuffle_window`` shards."""
-        return WindowedOrder([s.samples for s in self.index.shards], seed, epoch, self.shuffle_window, shuffle)
+        order = WindowedOrder([s.samples for s in self.index.shards], seed, epoch, self.shuffle_window, shuffle)
+        order.on_window = self._prefetch
+        return order
+
+    def _prefetch(self, order: WindowedOrder, w: int) -> None:
+        """The sampler reached window ``w`` of an epoch (it runs ahead of the loading by the loader's prefetch depth):
+        that window's shards and the next window's are read into the cache on a background thread, so that loading
+        finds them there. Only from a remote store, and only what fits in half the cache (the rest is being read)."""
+        if self.storage.is_local:
+            return
+        shards = [int(j) for g in order.groups[w : w + 2] for j in g]
+        budget, wanted = self.cache_bytes // 2, []
+        for j in shards:
+            budget -= self.index.shards[j].size
+            if budget < 0:
+                break
+            wanted.append(j)
+        with self._lock:
+            if self._fetcher is None:
+                self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
+            for j in wanted:
+                if j not in self._fetching:
+                    shard = self.index.shards[j]
+                    self._fetching[j] = self._fetcher.submit(
+                        _cache_fetch, self.storage, shard, self.cache_dir, self.cache_bytes
+                    )
 
     # -- processes ---------------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """What a DataLoader worker receives: no open files, no client (each process makes its own)."""
         state = dict(self.__dict__)
-        state.update(_storage=None, _readers=OrderedDict(), _lock=None)
+        state.update(_storage=None, _readers=OrderedDict(), _lock=None, _fetcher=None, _fetching={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -142,14 +170,14 @@ class ShardedDataset(Dataset):
                 self._readers.move_to_end(j)
                 return reader
         shard = self.index.shards[j]
-        reader = _READERS[self.format](self, shard, self._local(shard))
+        reader = _READERS[self.format](self, shard, self._local(shard, j))
         with self._lock:
             self._readers[j] = reader
             while len(self._readers) > _OPEN_SHARDS:
                 self._readers.popitem(last=False)[1].close()
         return reader
 
-    def _local(self, shard: Shard) -> _Local:
+    def _local(self, shard: Shard, j: int | None = None) -> _Local:
         """The shard as a local file: in place for a local folder, else a copy in the bounded cache."""
         storage = self.storage
         if storage.is_local:
@@ -159,7 +187,14 @@ class ShardedDataset(Dataset):
                 f.close()
                 raise _size_error(storage, shard, size)
             return _Local(f, shard.name)
-        path = _cache_fetch(storage, shard, self.cache_dir, self.cache_bytes)
+        with self._lock:
+            pending = self._fetching.pop(j, None) if j is not None else None
+        path = None
+        if pending is not None:
+            with contextlib.suppress(Exception):  # a failed prefetch is read again here, where its error surfaces
+                path = pending.result()
+        if path is None or not os.path.exists(path):
+            path = _cache_fetch(storage, shard, self.cache_dir, self.cache_bytes)
         return _Local(open(path, "rb"), shard.name)
 
     def _count(self, name: str, size: int) -> int:
@@ -434,6 +469,7 @@ class WindowedOrder:
         sizes = [int(self.counts[g].sum()) for g in self.groups]
         self.window_starts = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.on_window: Callable[[WindowedOrder, int], None] | None = None  # told when a window is first computed
 
     def _rng(self, window: int) -> np.random.Generator:
         return np.random.Generator(np.random.PCG64([_MIX, self.seed & (2**63 - 1), self.epoch, window + 1]))
@@ -449,6 +485,8 @@ class WindowedOrder:
             if self.shuffle:
                 ids = ids[self._rng(w).permutation(len(ids))]
             self._cache[w] = ids
+            if self.on_window is not None:
+                self.on_window(self, w)
             while len(self._cache) > 2:
                 self._cache.popitem(last=False)
         return ids
