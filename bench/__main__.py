@@ -23,6 +23,7 @@ BENCHES = {
     "preemption": "bench.preemption",
     "snapshots": "bench.snapshots",
     "gpu_snapshot": "bench.gpu_snapshot",
+    "streaming": "bench.streaming",
 }
 
 

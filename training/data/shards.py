@@ -275,28 +275,24 @@ class _JsonlReader(_Reader):
 
 
 class _ParquetReader(_Reader):
+    """A Parquet shard, decoded whole on first use (samples within a window are visited in random order: reading a
+    row group per sample would decode each row group once per row)."""
+
     def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local):
         super().__init__(ds, shard, local)
-        self.file = _parquet_file(local.file, ds.storage, shard.name)
-        meta = self.file.metadata
-        if meta.num_rows != shard.samples:
+        file = _parquet_file(local.file, ds.storage, shard.name)
+        if file.metadata.num_rows != shard.samples:
             raise DataError(
-                f"{self.where()}: {meta.num_rows} rows, the index says {shard.samples}: the shard changed; restore "
-                f"it, or delete the index for a new run"
+                f"{self.where()}: {file.metadata.num_rows} rows, the index says {shard.samples}: the shard changed; "
+                f"restore it, or delete the index for a new run"
             )
-        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-        self.group_starts = np.cumsum([0, *sizes])
-        self._group: tuple[int, list[dict[str, Any]]] | None = None
+        try:
+            self.table = file.read(columns=ds.columns)
+        except Exception as exc:
+            raise DataError(f"{self.where()}: its rows cannot be read ({type(exc).__name__})") from None
 
     def sample(self, k: int) -> dict[str, Any]:
-        g = int(np.searchsorted(self.group_starts, k, side="right")) - 1
-        if self._group is None or self._group[0] != g:
-            try:
-                table = self.file.read_row_group(g, columns=self.ds.columns)
-            except Exception as exc:
-                raise DataError(f"{self.where()}: row group {g} cannot be read ({type(exc).__name__})") from None
-            self._group = (g, table.to_pylist())
-        return self._group[1][k - int(self.group_starts[g])]
+        return self.table.slice(k, 1).to_pylist()[0]
 
 
 _READERS: dict[str, type[_Reader]] = {"tokens": _TokenReader, "jsonl": _JsonlReader, "parquet": _ParquetReader}
