@@ -261,7 +261,9 @@ class GPTRecipe:
     def _stream(self, url: str) -> Any:
         from training.data import ShardedDataset
 
-        return ShardedDataset(url, "tokens", block_size=self.block_size, storage_options=self.data_options)
+        return ShardedDataset(
+            url, "tokens", block_size=self.block_size, storage_options=self.data_options, vocab_size=self.vocab_size
+        )
 
     def eval_dataset(self) -> Dataset:
         """The validation split in non-overlapping blocks: every character is scored once per evaluation."""

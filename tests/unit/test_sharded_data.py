@@ -323,3 +323,10 @@ def test_a_credential_in_the_gpt_recipes_data_options_is_refused():
 
     with pytest.raises(ValueError, match="'aws_secret_access_key' looks like a credential"):
         GPTRecipe(data_url="s3://b/t", data_options={"client_kwargs": {"aws_secret_access_key": "x"}})
+
+
+def test_a_token_outside_the_vocabulary_is_one_error_naming_the_shard(tokens):
+    ds = ShardedDataset(tokens, "tokens", block_size=BLOCK, vocab_size=101)
+    assert ds[99][1][-1].item() == 100  # its targets end with the next sample's first token
+    with pytest.raises(DataError, match=r"shard-002\.bin: sample 13 holds token 101, outside vocab_size=101"):
+        ds[100]

@@ -16,6 +16,7 @@ Formats (``format``):
 
 - ``"tokens"``: token arrays as nanoGPT writes them, ``.bin`` (raw ``dtype``, uint16 by default) or ``.npy``; sample
   ``k`` of a shard is ``(x, y)`` = tokens ``[k*block_size, (k+1)*block_size)`` and the same shifted by one (int64).
+  With ``vocab_size``, a token outside it is one DataError naming the shard (not an embedding's IndexError).
   Samples do not cross shards: the last ``< block_size + 1`` tokens of a shard are not trained on.
 - ``"jsonl"``: one JSON value per non-empty line (a dict, usually); a line longer than ``max_sample_bytes`` stops the
   run with one line instead of reading 10 GB into memory.
@@ -76,6 +77,7 @@ class ShardedDataset(Dataset):
         cache_dir: str | None = None,
         cache_bytes: int = 4 << 30,
         max_sample_bytes: int = 16 << 20,
+        vocab_size: int | None = None,
     ):
         if format not in FORMATS:
             raise ConfigError(f"format={format!r}: use one of {', '.join(FORMATS)}")
@@ -87,12 +89,15 @@ class ShardedDataset(Dataset):
             raise ConfigError(f"shuffle_window={shuffle_window!r}: use a whole number of shards >= 1")
         if type(cache_bytes) is not int or cache_bytes < 1 << 20:
             raise ConfigError(f"cache_bytes={cache_bytes!r}: use at least 1 MiB (1048576)")
+        if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 1):
+            raise ConfigError(f"vocab_size={vocab_size!r}: use a whole number >= 1, or None to leave tokens unchecked")
         if type(max_sample_bytes) is not int or max_sample_bytes < 1:
             raise ConfigError(f"max_sample_bytes={max_sample_bytes!r}: use a whole number of bytes >= 1")
         self.url, self.format, self.block_size, self.dtype = url, format, block_size, dtype
         self.columns = list(columns) if columns is not None else None
         self.storage_options = dict(storage_options or {})
         self.shuffle_window, self.cache_bytes, self.max_sample_bytes = shuffle_window, cache_bytes, max_sample_bytes
+        self.vocab_size = vocab_size
         self.cache_dir = cache_dir or os.environ.get(CACHE_ENV) or _default_cache_dir()
         if format == "parquet":
             _pyarrow()  # at construction: a missing dependency is one line before any training
@@ -245,7 +250,14 @@ class _TokenReader(_Reader):
 
     def sample(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.tokens is not None
-        chunk = torch.from_numpy(self.tokens[k * self.block : (k + 1) * self.block + 1].astype(np.int64))
+        block = self.tokens[k * self.block : (k + 1) * self.block + 1]
+        vocab = self.ds.vocab_size
+        if vocab is not None and int(block.max()) >= vocab:  # an embedding would fail with an IndexError, retried
+            raise DataError(
+                f"{self.where()}: sample {k} holds token {int(block.max())}, outside vocab_size={vocab}; tokenize with "
+                f"that vocabulary, or set the model's vocab_size above the largest token"
+            )
+        chunk = torch.from_numpy(block.astype(np.int64))
         return chunk[:-1], chunk[1:]
 
     def close(self) -> None:

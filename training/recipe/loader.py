@@ -4,7 +4,7 @@ A recipe is any class with::
 
     __init__(**recipe_args)
     build_model() -> nn.Module
-    train_dataset() -> map-style Dataset (the index is the sample id)
+    train_dataset() -> map-style Dataset (the index is the sample id; training.data.ShardedDataset for shards)
     build_optimizer(model) -> Optimizer
     build_scheduler(optimizer) -> LRScheduler | None        (optional; stepped once per optimizer step)
     loss(model, batch) -> scalar Tensor
