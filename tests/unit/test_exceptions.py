@@ -78,6 +78,7 @@ REBUILT_BEFORE = [
 NOT_RETRIED_BEFORE = [
     "AccessDeniedError",
     "ConfigError",
+    "DataError",  # added with streaming shards (issue 34): data that does not match its index fails the same way again
     "FencedError",
     "LinkedLocationError",
     "LoopEndedEarlyError",
