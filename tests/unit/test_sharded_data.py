@@ -71,6 +71,12 @@ def test_token_shards_are_addressed_by_one_global_id_and_the_index_is_written_be
     for g in (0, 36, 37, 86, N - 1):
         x, y = ds[g]
         assert x.dtype == torch.int64 and x.tolist() == [g] * BLOCK and y[:-1].tolist() == [g] * (BLOCK - 1)
+    batch = ds.__getitems__([86, 0, 37, 36, 87])  # what a DataLoader asks for: read per shard, in the order asked
+    assert [x[0].item() for x, _ in batch] == [86, 0, 37, 36, 87]
+    assert all(
+        torch.equal(a, ds[i][0]) and torch.equal(b, ds[i][1])
+        for (a, b), i in zip(batch, [86, 0, 37, 36, 87], strict=True)
+    )
     index = json.loads(Path(tokens, INDEX_FILE).read_text())
     assert [row[2] for row in index["shards"]] == list(SAMPLES)
     assert ShardedDataset(tokens, "tokens", block_size=BLOCK).index == ds.index  # read back, not rebuilt
@@ -330,3 +336,5 @@ def test_a_token_outside_the_vocabulary_is_one_error_naming_the_shard(tokens):
     assert ds[99][1][-1].item() == 100  # its targets end with the next sample's first token
     with pytest.raises(DataError, match=r"shard-002\.bin: sample 13 holds token 101, outside vocab_size=101"):
         ds[100]
+    with pytest.raises(DataError, match=r"shard-002\.bin: sample 13 holds token 101, outside vocab_size=101"):
+        ds.__getitems__([99, 100])

@@ -31,10 +31,12 @@ reader tied to a fixed global batch size, which is what this one exists to avoid
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import logging
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -119,6 +121,20 @@ class ShardedDataset(Dataset):
     def __getitem__(self, i: int) -> Any:
         j, k = self.index.locate(int(i))
         return self._reader(j).sample(k)
+
+    def __getitems__(self, ids: list[int]) -> list[Any]:
+        """A batch (what a DataLoader asks for): located at once, and read per shard in one go where the format
+        can (token blocks are gathered with one fancy index), in the order asked."""
+        out: list[Any] = [None] * len(ids)
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for n, i in enumerate(ids):
+            j, k = self.index.locate(int(i))
+            by_shard.setdefault(j, []).append((n, k))
+        for j, wanted in by_shard.items():
+            samples = self._reader(j).samples([k for _, k in wanted])
+            for (n, _), sample in zip(wanted, samples, strict=True):
+                out[n] = sample
+        return out
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool = True) -> WindowedOrder:
         """The order in which epoch ``epoch`` visits the sample ids (ResumableBatchSampler uses it when the dataset
@@ -228,6 +244,9 @@ class _Reader:
     def sample(self, k: int) -> Any:
         raise NotImplementedError
 
+    def samples(self, ks: list[int]) -> list[Any]:
+        return [self.sample(k) for k in ks]
+
     def close(self) -> None:
         self.local.file.close()
 
@@ -259,6 +278,16 @@ class _TokenReader(_Reader):
             )
         chunk = torch.from_numpy(block.astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+    def samples(self, ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.tokens is not None
+        starts = np.asarray(ks, dtype=np.int64)[:, None] * self.block
+        blocks = self.tokens[starts + np.arange(self.block + 1)]  # (n, block + 1), one gather
+        vocab = self.ds.vocab_size
+        if vocab is not None and len(ks) and int(blocks.max()) >= vocab:
+            return [self.sample(k) for k in ks]  # the sample at fault names itself
+        chunks = torch.from_numpy(blocks.astype(np.int64))
+        return [(c[:-1], c[1:]) for c in chunks]
 
     def close(self) -> None:
         self.tokens = None
@@ -422,22 +451,40 @@ def _cache_fetch(storage: Storage, shard: Shard, root: str, max_bytes: int) -> s
     if os.path.islink(folder) or not os.path.isdir(folder):
         raise DataError(f"cache folder {folder} is not a folder of its own (a link?); remove it")
     target = os.path.join(folder, shard.name)
-    with contextlib.suppress(FileNotFoundError):
-        st = os.lstat(target)
-        if os.path.isfile(target) and not os.path.islink(target) and st.st_size == shard.size:
-            os.utime(target)  # most recently used
-            return target
-    _evict(root, shard.size, max_bytes)
-    part = f"{target}.part-{os.getpid()}-{threading.get_ident()}"
+    if _cached(target, shard):
+        return target
+    # One download at a time into a cache folder, across this machine's processes (loader workers, ranks, the read-
+    # ahead thread): room is made and filled under one lock, so the folder never holds more than cache_bytes.
+    lock = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        size = storage.download(shard.name, part, shard.size)
-        if size != shard.size:
-            raise _size_error(storage, shard, size)
-        os.replace(part, target)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _cached(target, shard):  # another process read it in while this one waited
+            return target
+        _evict(root, shard.size, max_bytes)
+        part = f"{target}.part-{os.getpid()}-{threading.get_ident()}"
+        try:
+            size = storage.download(shard.name, part, shard.size)
+            if size != shard.size:
+                raise _size_error(storage, shard, size)
+            os.replace(part, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(part)
+        os.close(lock)
     return target
+
+
+def _cached(target: str, shard: Shard) -> bool:
+    """The shard is in the cache whole (at its indexed size); marked most recently used."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != shard.size:
+        return False
+    os.utime(target)
+    return True
 
 
 def _evict(root: str, need: int, limit: int) -> None:
@@ -454,7 +501,7 @@ def _evict(root: str, need: int, limit: int) -> None:
     for _, size, path in sorted(files):
         if total + need <= limit:
             break
-        if ".part-" in os.path.basename(path):
+        if ".part-" in os.path.basename(path) or os.path.basename(path) == ".lock":
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a reader that has it mapped keeps its pages
