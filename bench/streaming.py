@@ -157,7 +157,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--parquet-rows", type=int, default=20_000)
     p.add_argument("--cache-mb", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--unit-reps", type=int, default=3)
+    p.add_argument("--unit-reps", type=int, default=5)
     p.add_argument("--skip-units", action="store_true", help="skip part 4 (whole commands)")
     args = p.parse_args(argv)
     load_at_start = load_average()
@@ -250,7 +250,7 @@ def cache_probe(tokens: str, args) -> list[str]:
         f"From S3 (moto, loopback): {data_mb} MB of token shards read in epoch order through a {args.cache_mb} MB "
         f"cache: the cache folder held at most {got['largest'] / 2**20:.1f} MB; the reading process's resident memory "
         f"grew at most {got['anon_growth'] / 2**20:.0f} MB of its own (anonymous) and "
-        f"{got['file_peak'] / 2**20:.0f} MB of mapped shards (page cache of at most 8 open shards); "
+        f"{got['file_peak'] / 2**20:.0f} MB of mapped shards (open shards, closed beyond cache_bytes); "
         f"{got['samples'] / got['seconds']:.0f} samples/s "
         f"({data_mb / got['seconds']:.0f} MB/s, downloads included).",
     ]
@@ -260,7 +260,7 @@ def units(reps: int) -> list[str]:
     from bench import whole
 
     def flags(units: int, name: str, workers: int) -> list[str]:
-        return ["--recipe", "synthetic", "--recipe_args", '{"num_samples": 2048}', "--global_batch_size", "64",
+        return ["--recipe", "synthetic", "--recipe_args", '{"num_samples": 8192}', "--global_batch_size", "64",
                 "--max_duration", "4ep", "--save_interval", f"{4 // units}ep", "--num_workers", str(workers),
                 "--run_name", name, "--save_folder", scratch("units-")]  # fmt: skip
 
@@ -277,7 +277,7 @@ def units(reps: int) -> list[str]:
     ratio = [a / b for a, b in zip(walls[(4, 2)], walls[(1, 2)], strict=True)]
     ratio0 = [a / b for a, b in zip(walls[(4, 0)], walls[(1, 0)], strict=True)]
     return [
-        "Whole `python -m flows.train` commands (synthetic recipe, 2048 samples, batch 64, 4 epochs, Prefect server "
+        "Whole `python -m flows.train` commands (synthetic recipe, 8192 samples, batch 64, 4 epochs, Prefect server "
         f"held by the benchmark), {reps} alternating reps:",
         "",
         "| num_workers | 4 one-epoch units | one 4-epoch unit | ratio (goal <= 1.05x) |",

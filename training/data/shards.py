@@ -194,7 +194,13 @@ class ShardedDataset(Dataset):
         reader = _READERS[self.format](self, shard, self._local(shard, j))
         with self._lock:
             self._readers[j] = reader
-            while len(self._readers) > _OPEN_SHARDS:
+            # at most 8 open, and from a remote store no more mapped bytes than the cache may hold (an evicted shard
+            # stays mapped, and resident, while a reader has it open)
+            limit = None if self.storage.is_local else self.cache_bytes
+            while len(self._readers) > 1 and (
+                len(self._readers) > _OPEN_SHARDS
+                or (limit is not None and sum(r.shard.size for r in self._readers.values()) > limit)
+            ):
                 self._readers.popitem(last=False)[1].close()
         return reader
 
