@@ -112,6 +112,7 @@ def test_jsonl_and_parquet_shards_written_by_their_libraries(tmp_path):
     parquet = ShardedDataset(str(tmp_path / "p"), "parquet", columns=["id"])
     assert len(parquet) == 14
     assert [parquet[i]["id"] for i in range(14)] == [*range(7), *range(10, 17)]
+    assert [row["id"] for row in parquet.__getitems__([13, 0, 7, 2])] == [16, 0, 10, 2]  # a batch, in the order asked
 
 
 def test_a_bucket_is_read_through_a_bounded_cache(s3, tmp_path):

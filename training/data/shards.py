@@ -341,6 +341,9 @@ class _ParquetReader(_Reader):
     def sample(self, k: int) -> dict[str, Any]:
         return self.table.slice(k, 1).to_pylist()[0]
 
+    def samples(self, ks: list[int]) -> list[dict[str, Any]]:
+        return self.table.take(ks).to_pylist()  # one gather for a batch's rows of this shard
+
 
 _READERS: dict[str, type[_Reader]] = {"tokens": _TokenReader, "jsonl": _JsonlReader, "parquet": _ParquetReader}
 
