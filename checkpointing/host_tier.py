@@ -394,7 +394,7 @@ def filesystem_type(path: str) -> str:
 
 
 def _sweep_stale(user_fd: int, keep: str) -> None:
-    """Removes other runs' folders that no live process holds and that nothing wrote to for ``STALE_SECONDS``: runs
+    """Removes other runs' folders that no live process holds and that are empty or nothing wrote to for ``STALE_SECONDS``: runs
     that were abandoned (never completed, never relaunched here) would otherwise keep their snapshots in this
     machine's memory for good. Only names of the run-key shape are touched; a link or a stranger's entry is left."""
     now = time.time()
@@ -413,7 +413,7 @@ def _sweep_stale(user_fd: int, keep: str) -> None:
             newest = max(
                 [os.fstat(fd).st_mtime] + [os.stat(e, dir_fd=fd, follow_symlinks=False).st_mtime for e in entries]
             )
-            if now - newest < STALE_SECONDS:
+            if entries and now - newest < STALE_SECONDS:  # an empty folder holds nothing to resume: gone at once
                 continue
             for entry in entries:
                 os.unlink(entry, dir_fd=fd)

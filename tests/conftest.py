@@ -53,6 +53,10 @@ os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES
 HOST_TIER_DIR = tempfile.mkdtemp(prefix="host-tier-")
 os.environ["TRAIN_HOST_TIER_DIR"] = HOST_TIER_DIR
 atexit.register(shutil.rmtree, HOST_TIER_DIR, True)
+# Streaming shards read from a bucket are cached (training/data/shards.py) in this session's folder, not ~/.cache.
+DATA_CACHE_DIR = tempfile.mkdtemp(prefix="data-cache-")
+os.environ["TRAIN_DATA_CACHE_DIR"] = DATA_CACHE_DIR
+atexit.register(shutil.rmtree, DATA_CACHE_DIR, True)
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +77,7 @@ def prefect_env(prefect_harness) -> dict[str, str]:
     env.update(
         TRAIN_ALLOWED_RECIPES=TEST_RECIPES,
         TRAIN_HOST_TIER_DIR=HOST_TIER_DIR,
+        TRAIN_DATA_CACHE_DIR=DATA_CACHE_DIR,
         PREFECT_API_URL=PREFECT_API_URL.value(),
         PREFECT_HOME=_PREFECT_HOME,
         PYTHONPATH=str(ROOT),

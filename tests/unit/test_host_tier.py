@@ -326,6 +326,8 @@ def test_an_abandoned_runs_folder_is_swept_but_never_one_a_live_process_holds(tm
     old.close()
     fresh.close()  # closed but recent: a relaunch may still want it
 
+    empty = HostTier("file:///runs/empty", root=str(tmp_path))
+    empty.close()  # a run that failed before its first snapshot
     HostTier("file:///runs/new", root=str(tmp_path))  # opening any run's folder sweeps the others
-    assert not os.path.exists(old.path)
+    assert not os.path.exists(old.path) and not os.path.exists(empty.path)
     assert os.listdir(held.path) and os.listdir(fresh.path)
