@@ -245,12 +245,12 @@ class HostTier:
         except OSError as exc:
             raise TierUnavailable(f"{self.root} cannot be opened ({exc.strerror})") from exc
         try:
-            user_fd = _private_dir(root_fd, os.path.basename(user_dir), user_dir)
+            user_fd = private_dir(root_fd, os.path.basename(user_dir), user_dir)
         finally:
             os.close(root_fd)
         try:
             _sweep_stale(user_fd, keep=key)
-            return _private_dir(user_fd, key, self.path)
+            return private_dir(user_fd, key, self.path)
         finally:
             os.close(user_fd)
 
@@ -427,7 +427,7 @@ def _sweep_stale(user_fd: int, keep: str) -> None:
             os.close(fd)
 
 
-def _private_dir(parent_fd: int, name: str, shown: str) -> int:
+def private_dir(parent_fd: int, name: str, shown: str, setting: str = ROOT_ENV) -> int:
     """Opens (making it if missing) folder ``name`` below ``parent_fd``: a folder (not a link) of this user's that
     nobody else may enter, or TierUnavailable."""
     with contextlib.suppress(FileExistsError):
@@ -441,7 +441,7 @@ def _private_dir(parent_fd: int, name: str, shown: str) -> int:
         os.close(fd)
         raise TierUnavailable(
             f"{shown} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}, not to this user (uid "
-            f"{os.getuid()}) alone; remove it, or set {ROOT_ENV} to a folder of your own"
+            f"{os.getuid()}) alone; remove it, or set {setting} to a folder of your own"
         )
     return fd
 

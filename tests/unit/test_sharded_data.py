@@ -339,3 +339,32 @@ def test_a_token_outside_the_vocabulary_is_one_error_naming_the_shard(tokens):
         ds[100]
     with pytest.raises(DataError, match=r"shard-002\.bin: sample 13 holds token 101, outside vocab_size=101"):
         ds.__getitems__([99, 100])
+
+
+def test_a_cache_folder_another_user_planted_or_may_enter_is_never_adopted(s3, tmp_path):
+    import pwd
+
+    folder, options = s3
+    url = f"{folder.rsplit('/', 1)[0]}/tokens"
+    write_token_shards(url, options)
+    shared = tmp_path / "shared-cache"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    ds = ShardedDataset(url, "tokens", block_size=BLOCK, storage_options=options, cache_dir=str(shared))
+    with pytest.raises(DataError, match=r"shard cache: .*shared-cache belongs to uid \d+ with mode 777"):
+        ds[0]
+    if os.getuid() == 0:  # a folder another user made: root must not adopt it
+        import shutil
+        import tempfile
+
+        parent = Path(tempfile.mkdtemp(dir="/tmp"))  # a shared folder like /tmp itself: anyone may make entries
+        os.chmod(parent, 0o1777)
+        planted = parent / "planted"
+        subprocess.run(["runuser", "-u", "nobody", "--", "mkdir", "-m", "700", str(planted)], check=True)
+        nobody = pwd.getpwnam("nobody").pw_uid
+        assert planted.stat().st_uid == nobody
+        ds = ShardedDataset(url, "tokens", block_size=BLOCK, storage_options=options, cache_dir=str(planted))
+        with pytest.raises(DataError, match=rf"planted belongs to uid {nobody}"):
+            ds[0]
+        assert list(planted.iterdir()) == []  # nothing written into it
+        shutil.rmtree(parent)

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from checkpointing.errors import TierUnavailable
+from checkpointing.host_tier import private_dir
 from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import parse_json
 from training.data.index import Shard, open_index
@@ -453,12 +455,8 @@ def _cache_fetch(storage: Storage, shard: Shard, root: str, max_bytes: int) -> s
             f"{storage.uri(shard.name)} is {shard.size} bytes, more than cache_bytes={max_bytes}; raise cache_bytes "
             f"above the largest shard"
         )
-    os.makedirs(root, mode=0o700, exist_ok=True)
     folder = os.path.join(root, hashlib.sha256(storage.url.encode()).hexdigest()[:32])
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(folder, 0o700)
-    if os.path.islink(folder) or not os.path.isdir(folder):
-        raise DataError(f"cache folder {folder} is not a folder of its own (a link?); remove it")
+    _own_folders(root, folder)
     target = os.path.join(folder, shard.name)
     if _cached(target, shard):
         return target
@@ -482,6 +480,26 @@ def _cache_fetch(storage: Storage, shard: Shard, root: str, max_bytes: int) -> s
     finally:
         os.close(lock)
     return target
+
+
+def _own_folders(root: str, folder: str) -> None:
+    """The cache folder and the run's folder in it: real folders of this user that nobody else may enter (the host
+    tier's check), so a folder another local user planted (under a shared /tmp, say) is never adopted: its files would
+    be trained on as the shards."""
+    os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
+    parent = os.open(os.path.dirname(root) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        top = private_dir(parent, os.path.basename(root), root, CACHE_ENV)
+    except TierUnavailable as exc:
+        raise DataError(f"shard cache: {exc}") from None
+    finally:
+        os.close(parent)
+    try:
+        os.close(private_dir(top, os.path.basename(folder), folder, CACHE_ENV))
+    except TierUnavailable as exc:
+        raise DataError(f"shard cache: {exc}") from None
+    finally:
+        os.close(top)
 
 
 def _cached(target: str, shard: Shard) -> bool:
