@@ -41,7 +41,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -206,7 +206,7 @@ class ShardedDataset(Dataset):
                 self._readers.popitem(last=False)[1].close()
         return reader
 
-    def _local(self, shard: Shard, j: int | None = None) -> _Local:
+    def _local(self, shard: Shard, j: int | None = None) -> IO[bytes]:
         """The shard as a local file: in place for a local folder, else a copy in the bounded cache."""
         storage = self.storage
         if storage.is_local:
@@ -215,7 +215,7 @@ class ShardedDataset(Dataset):
             if size != shard.size:
                 f.close()
                 raise _size_error(storage, shard, size)
-            return _Local(f, shard.name)
+            return f
         with self._lock:
             pending = self._fetching.pop(j, None) if j is not None else None
         path = None
@@ -224,7 +224,7 @@ class ShardedDataset(Dataset):
                 path = pending.result()
         if path is None or not os.path.exists(path):
             path = _cache_fetch(storage, shard, self.cache_dir, self.cache_bytes)
-        return _Local(open(path, "rb"), shard.name)
+        return open(path, "rb")
 
     def _count(self, name: str, size: int) -> int:
         """A shard's samples, for an index being built."""
@@ -240,13 +240,8 @@ class ShardedDataset(Dataset):
 
 
 # -- readers -------------------------------------------------------------------------------------------------------
-class _Local:
-    def __init__(self, f: io.BufferedReader | Any, name: str):
-        self.file, self.name = f, name
-
-
 class _Reader:
-    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local):
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: IO[bytes]):
         self.ds, self.shard, self.local = ds, shard, local
 
     def sample(self, k: int) -> Any:
@@ -256,17 +251,17 @@ class _Reader:
         return [self.sample(k) for k in ks]
 
     def close(self) -> None:
-        self.local.file.close()
+        self.local.close()
 
     def where(self) -> str:
         return self.ds.storage.uri(self.shard.name)
 
 
 class _TokenReader(_Reader):
-    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local):
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: IO[bytes]):
         super().__init__(ds, shard, local)
-        dtype, offset, count = _token_layout(local.file, shard.name, ds.dtype, shard.size, ds.storage)
-        self.tokens = np.memmap(local.file, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else None
+        dtype, offset, count = _token_layout(local, shard.name, ds.dtype, shard.size, ds.storage)
+        self.tokens = np.memmap(local, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else None
         block = int(ds.block_size)  # type: ignore[arg-type]
         if max(0, (count - 1) // block) != shard.samples:
             raise DataError(
@@ -303,9 +298,9 @@ class _TokenReader(_Reader):
 
 
 class _JsonlReader(_Reader):
-    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local, counting: bool = False):
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: IO[bytes], counting: bool = False):
         super().__init__(ds, shard, local)
-        self.starts, self.ends = _line_offsets(local.file, ds.max_sample_bytes, self.where)
+        self.starts, self.ends = _line_offsets(local, ds.max_sample_bytes, self.where)
         self.count = len(self.starts)
         if not counting and self.count != shard.samples:
             raise DataError(
@@ -314,7 +309,7 @@ class _JsonlReader(_Reader):
             )
 
     def sample(self, k: int) -> Any:
-        f, start = self.local.file, int(self.starts[k])
+        f, start = self.local, int(self.starts[k])
         f.seek(start)
         data = f.read(int(self.ends[k]) - start)
         try:
@@ -327,9 +322,9 @@ class _ParquetReader(_Reader):
     """A Parquet shard, decoded whole on first use (samples within a window are visited in random order: reading a
     row group per sample would decode each row group once per row)."""
 
-    def __init__(self, ds: ShardedDataset, shard: Shard, local: _Local):
+    def __init__(self, ds: ShardedDataset, shard: Shard, local: IO[bytes]):
         super().__init__(ds, shard, local)
-        file = _parquet_file(local.file, ds.storage, shard.name)
+        file = _parquet_file(local, ds.storage, shard.name)
         if file.metadata.num_rows != shard.samples:
             raise DataError(
                 f"{self.where()}: {file.metadata.num_rows} rows, the index says {shard.samples}: the shard changed; "
