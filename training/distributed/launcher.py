@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpointing.io import confine
-from training.config import TrainConfig
+from training.config import ConfigError, TrainConfig
 from training.distributed.nodes import node_environment, torchrun_command
 from training.distributed.processes import die_with_parent
 from training.recipe.loader import ALLOWED_ENV
@@ -52,12 +53,14 @@ class Torchrun:
     def start(self, config: TrainConfig, folder: Path, env: Mapping[str, str]) -> subprocess.Popen:
         """Starts torchrun with ``config`` written to ``folder`` and ``env`` as the base of its environment; its
         output (ranks' included) is the process's ``stdout``, as text."""
+        environment = self.environment(env, folder)
+        check_ranks_import(self.recipe, environment)
         config_file = folder / "config.json"
         config_file.write_text(config.model_dump_json())  # storage_options excluded: passed by environment
         config_file.chmod(0o600)
         return subprocess.Popen(
             self.command(str(config_file)),
-            env=self.environment(env, folder),
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -81,6 +84,65 @@ class Torchrun:
             result[confine.ROOTS_ENV] = json.dumps(self.roots)
         result[FOLDER_ENV] = str(folder)
         return result
+
+
+# Run by the ranks' interpreter, in their environment and folder: where would they import the recipe's module from?
+_FIND_MODULE = (
+    "import importlib.util, sys\n"
+    "try:\n"
+    "    spec = importlib.util.find_spec(sys.argv[1])\n"
+    "except Exception as exc:\n"
+    "    print(f'{type(exc).__name__}: {exc}'[:300]); sys.exit(3)\n"
+    "print(spec.origin if spec and spec.origin else '', end=''); sys.exit(0 if spec else 4)\n"
+)
+
+
+def check_ranks_import(recipe: str, env: Mapping[str, str]) -> None:
+    """Refuses, before torchrun starts, a recipe whose module the ranks would not import, or would import from another
+    file than this process did: a module this process found through a folder added to its own ``sys.path`` (a script's
+    folder, a notebook's ``sys.path.insert``) is not on the ranks' path, and every rank would fail after its start."""
+    module = recipe.partition(":")[0]
+    probe = subprocess.run(
+        [sys.executable, "-c", _FIND_MODULE, module],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    found = probe.stdout.strip()
+    here = getattr(sys.modules.get(module), "__file__", None)
+    if probe.returncode == 0 and (here is None or _same_file(found, here)):
+        return
+    where = f" (this process imported it from {here})" if here else ""
+    if probe.returncode == 0:
+        why = f"they would import it from {found}{where}, another file"
+    else:
+        why = f"they cannot import it{where}: {found or 'no such module on their path'}"
+    folder = _search_folder(module, here)
+    fix = f"PYTHONPATH={folder}" if folder else "its folder on PYTHONPATH"
+    raise ConfigError(
+        f"recipe={recipe!r}: the rank processes run with this process's environment, and {why}; start with {fix} "
+        f"(or install the recipe's package) so that every rank imports the same module"
+    )
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _search_folder(module: str, file: str | None) -> str | None:
+    """The folder that ``sys.path`` must hold for ``module`` to be found at ``file``."""
+    if not file:
+        return None
+    path = Path(file).resolve().parent
+    levels = module.count(".") + (1 if Path(file).name == "__init__.py" else 0)
+    for _ in range(levels):
+        path = path.parent
+    return str(path)
 
 
 def relay_output(proc: subprocess.Popen, log: logging.Logger) -> None:

@@ -71,8 +71,7 @@ class Recipe(Protocol):
 
 
 def _check_path(path: str, where: str) -> str:
-    module, sep, attr = path.partition(":")
-    if not sep or not all(p.isidentifier() for p in [*module.split("."), attr]):
+    if not _is_import_path(path):
         raise ConfigError(f"{where}: {path!r} is not an import path 'package.module:ClassName'")
     return path
 
@@ -104,11 +103,19 @@ def resolve_recipe(value: str) -> str:
     if value in allowed.values():
         return value
     names = ", ".join(sorted(n for n in allowed if ":" not in n)) or "none"
+    path = value if _is_import_path(value) else "module:Class"
     raise ConfigError(
-        f"recipe={value!r} is not allowed on this worker (registered: {names}); allow it in the environment of "
-        f"the process that runs the flow: {ALLOWED_ENV}='module:Class' or an entry point in the "
-        f"'{ENTRY_POINT_GROUP}' group of an installed package"
+        f"recipe={value!r} is not allowed on this worker (allowed by name: {names}); a recipe is code, so whoever "
+        f"starts the process allows it: from Python, `from flows.train import allow_recipe; allow_recipe({path!r})` "
+        f"before train(); on the command line, `python -m flows.train --recipe {path}` allows it for that command; "
+        f"for a worker's deployment runs, {ALLOWED_ENV}='{path}' in the worker's environment or an entry point in the "
+        f"'{ENTRY_POINT_GROUP}' group of an installed package (docs/recipes.md)"
     )
+
+
+def _is_import_path(value: str) -> bool:
+    module, sep, attr = value.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in [*module.split("."), attr])
 
 
 def recipe_class(config: TrainConfig) -> type:
