@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
@@ -48,6 +48,14 @@ logger = logging.getLogger(__name__)
 MAX_REPEATS = 2  # units that end where an earlier one ended, before the run stops instead of retraining
 
 
+class ScoredCheckpoint(NamedTuple):
+    """One kept checkpoint and the metrics it was scored by: Ray's ``(Checkpoint, metrics)`` pair, unpacked the same
+    way (``for checkpoint, metrics in result.best_checkpoints_with_metrics``); ``checkpoint`` is its URI."""
+
+    checkpoint: str
+    metrics: dict[str, float]
+
+
 class TrainResult(BaseModel):
     """What a run reports: where it stands and where its last checkpoint is (never the model)."""
 
@@ -65,7 +73,8 @@ class TrainResult(BaseModel):
     warnings: list[str] = []
     best_checkpoints: list[str] = []  # URIs, best first by checkpoint_score_attribute (empty without it)
     best_checkpoint_names: list[str] = []  # the same checkpoints' names
-    best_checkpoint_metrics: list[dict[str, float]] = []  # the same checkpoints' metrics (Ray's best_checkpoints)
+    best_checkpoint_metrics: list[dict[str, float]] = []  # the same checkpoints' metrics
+    best_checkpoints_with_metrics: list[ScoredCheckpoint] = []  # Ray's Result.best_checkpoints: (checkpoint, metrics)
 
 
 class Run:
@@ -256,6 +265,7 @@ class Run:
             best_checkpoints=[i.uri for i in best],
             best_checkpoint_names=[i.name for i in best],
             best_checkpoint_metrics=[i.metrics for i in best],
+            best_checkpoints_with_metrics=[ScoredCheckpoint(i.uri, i.metrics) for i in best],
         )
 
 

@@ -89,6 +89,11 @@ def test_best_checkpoints_are_ordered_by_the_score_attribute(make_config, train_
     by_loss = sorted(lowest.units, key=lambda u: u.metrics["train_loss"])
     assert lowest.best_checkpoint_names == [u.checkpoint_name for u in by_loss]
     assert lowest.best_checkpoints == [u.checkpoint for u in by_loss]
+    pairs = [(checkpoint, metrics["train_loss"]) for checkpoint, metrics in lowest.best_checkpoints_with_metrics]
+    assert pairs == [(u.checkpoint, u.metrics["train_loss"]) for u in by_loss]  # Ray's (checkpoint, metrics) shape
+    again = type(lowest).model_validate_json(lowest.model_dump_json())  # as a Prefect result stores it
+    assert again.best_checkpoints_with_metrics == lowest.best_checkpoints_with_metrics
+    assert again.best_checkpoints_with_metrics[0].checkpoint == lowest.best_checkpoints[0]
     highest = train_run(
         make_config(checkpoint_score_attribute="train_loss", checkpoint_score_order="max")
     )  # trains nothing
