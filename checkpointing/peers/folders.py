@@ -29,6 +29,7 @@ from checkpointing.errors import WeightsError
 from checkpointing.io import confine
 from checkpointing.io.protocols import is_local_fs, open_url
 from checkpointing.manifest import MANIFEST
+from checkpointing.peers import mindspore_output
 from checkpointing.peers.weights import WEIGHTS_SUFFIXES, read_bounded
 from checkpointing.store import CHECKPOINTS, POINTER
 
@@ -39,10 +40,14 @@ _INDEX_MAX_BYTES = 64 << 20
 
 
 def peer_folder_kind(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
-    """ "hf" for a save_pretrained folder, "files" for a folder of weights files (Ray), None otherwise."""
+    """ "hf" for a save_pretrained folder, "mindspore-checkpoint" / "mindspore-rank" for MindSpore Transformers'
+    output (checkpointing/peers/mindspore_output.py), "files" for a folder of weights files (Ray), None otherwise."""
     names = _names(fs, path)
     if names is None or names & {MANIFEST, POINTER, CHECKPOINTS}:
         return None
+    mindspore = mindspore_output.folder_kind(names, path)
+    if mindspore is not None:
+        return f"mindspore-{mindspore}"
     if names & set(_HF_ORDER):
         return "hf"
     return "files" if _weights_files(names) else None

@@ -33,6 +33,7 @@ from checkpointing.io import confine
 from checkpointing.io.protocols import is_local_fs, open_url
 from checkpointing.manifest import MANIFEST
 from checkpointing.peers import mindspore as mindspore_ckpt
+from checkpointing.peers import mindspore_output
 from checkpointing.peers.folders import Folder, peer_folder_kind, read_folder
 from checkpointing.peers.weights import (
     WEIGHTS_SUFFIXES,
@@ -72,7 +73,14 @@ def read_peer_checkpoint(
     limit = default_max_bytes() if max_bytes is None else max_bytes
     fs, path = open_url(str(uri), storage_options)
     is_folder = (is_local_fs(fs) and _local_dir(path)) or (not is_local_fs(fs) and fs.isdir(path))
-    if is_folder and peer_folder_kind(fs, path) is not None:
+    kind = peer_folder_kind(fs, path) if is_folder else None
+    if kind is not None and kind.startswith("mindspore-"):
+        chosen = mindspore_output.choose(str(uri), storage_options, kind.removeprefix("mindspore-"), where)
+        where = f"{where} ({chosen.name})"
+        peer = decode_peer_file(read_bounded(chosen.uri, storage_options, where, limit), where)
+        peer.description = f"{chosen.how}: {peer.description}"
+        return peer
+    if kind is not None:
         folder = read_folder(str(uri), storage_options, where, limit)
         if folder.kind == "files":
             name, data = folder.files[0]
@@ -259,8 +267,14 @@ def _mindspore(tensors: dict[str, Any], what: str, where: str) -> PeerCheckpoint
         peer.left.append(
             f"optimizer slots {sorted({k for s in slots.values() for k in s})} (MindSpore's own optimizer)"
         )
-    progress = {"epoch": other.get("epoch_num"), "step": other.get("global_step", other.get("step_num"))}
-    _take_progress(peer, progress, "epoch_num/global_step")
+    step, batch = other.get("global_step", other.get("step_num")), other.get("global_batch_size")
+    progress: dict[str, Any] = {"epoch": other.get("epoch_num"), "step": step}
+    where_from = "epoch_num/global_step"
+    if isinstance(step, int) and isinstance(batch, int) and _is_count(step) and _is_count(batch) and batch > 0:
+        # MindSpore Transformers' CheckpointMonitor records the global batch size (MindSpore's own does not)
+        progress.update(samples_seen=step * batch, global_batch_size=batch)
+        where_from += "/global_batch_size"
+    _take_progress(peer, progress, where_from)
     peer.extras = {k: v for k, v in other.items() if not isinstance(v, torch.Tensor)}
     return peer
 

@@ -44,7 +44,8 @@ _SLOTS = {"moments.": "momentum_buffer", "adam_m.": "exp_avg", "adam_v.": "exp_a
           "linear.": "linear", "mean_square.": "square_avg", "mean_grad.": "grad_avg", "moment.": "momentum_buffer"}  # fmt: skip
 # Counters and hyper-parameters MindSpore's TrainOneStepCell, optimizers and ModelCheckpoint(append_info) add.
 _BOOKKEEPING = {"global_step", "learning_rate", "momentum", "beta1_power", "beta2_power", "weight_decay", "epoch_num",
-                "step_num", "loss_scale", "scale_sense", "current_iterator_step", "last_overflow_iterator_step"}  # fmt: skip
+                "step_num", "loss_scale", "scale_sense", "current_iterator_step", "last_overflow_iterator_step",
+                "global_batch_size"}  # fmt: skip
 
 
 def looks_like_ckpt(data: bytes) -> bool:

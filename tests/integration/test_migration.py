@@ -94,11 +94,12 @@ def test_mindspore_checkpoint_carries_weights_momentum_and_progress_then_trains_
                          max_duration="3ep")  # fmt: skip
     session = loaded(config)
     assert_carried(session, weights, moments)
-    # epoch_num 2, global_step 8; MindSpore records no sample count: 2 epochs of this run's 256 samples
-    assert session.progress == Progress(epoch=2, step=8, samples_seen=512, sample_in_epoch=0, global_batch_size=32)
+    # epoch_num 2, global_step 8; MindSpore records no sample count: 2 epochs of this run's 256 samples, which its 4
+    # steps an epoch took in batches of 64; at this run's 32 a batch that is step 16, where a native run stands
+    assert session.progress == Progress(epoch=2, step=16, samples_seen=512, sample_in_epoch=0, global_batch_size=32)
 
     run, first = continue_training(config)
-    assert [u.checkpoint_name for u in run.units] == ["ep3-ba16-sa768"]
+    assert [u.checkpoint_name for u in run.units] == ["ep3-ba24-sa768"]
     assert moved(moments, {n: first["optimizer"]["state"][i]["momentum_buffer"] for i, n in enumerate(names)})
 
 
@@ -129,9 +130,10 @@ def test_lightning_checkpoint_carries_weights_moments_and_progress_then_trains_o
     )
     session = loaded(config)
     assert_carried(session, weights, moments)
-    assert session.progress == Progress(epoch=2, step=8, samples_seen=512, sample_in_epoch=0, global_batch_size=32)
+    # global_step 8 in 2 epochs: batches of 64 of this run's 256 samples; at this run's 32 a batch, step 16
+    assert session.progress == Progress(epoch=2, step=16, samples_seen=512, sample_in_epoch=0, global_batch_size=32)
     run, _ = continue_training(config)
-    assert [u.checkpoint_name for u in run.units] == ["ep3-ba16-sa768"]
+    assert [u.checkpoint_name for u in run.units] == ["ep3-ba24-sa768"]
 
 
 @pytest.mark.slow  # a Prefect test server (and the train flow's task runs): not in the fast tier

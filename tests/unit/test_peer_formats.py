@@ -285,9 +285,9 @@ def test_a_run_trains_from_a_peers_checkpoint_through_run_unit(file, make_config
 
     ref = reference(file.split("/")[0])
     prefix = "model." if file.startswith("lightning") else ""
-    # the file's progress is carried (Composer's step 8 at 16 a batch is step 4 at 32; Lightning's step 8): 12ba is
-    # past both
-    frozen = make_config(run_name="frozen", load_path=str(PEERS / file), max_duration="12ba", save_interval="2ba",
+    # the file's progress is carried (Composer's step 8 at 16 a batch is step 4 at 32; Lightning's 8 steps in 2 epochs
+    # of 256 samples, 64 a batch, are step 16 at 32): 20ba is past both
+    frozen = make_config(run_name="frozen", load_path=str(PEERS / file), max_duration="20ba", save_interval="2ba",
                          recipe_args={"num_samples": 256, "lr": 0.0})  # fmt: skip
     result = run_unit(frozen)
     assert result.origin == "load_path" and result.steps == 2

@@ -162,12 +162,28 @@ def peer_progress(counts: Mapping[str, int], epoch_size: int) -> tuple[Progress,
         sample_in_epoch = counts.get("sample_in_epoch", 0)
         return Progress(epoch, step, counts["samples_seen"], sample_in_epoch, counts.get("global_batch_size", 0)), ""
     note = f"samples_seen = {epoch} epochs x {epoch_size} samples (the file records no sample count)"
+    batch = _peer_batch(epoch, step - counts.get("batch_in_epoch", 0), epoch_size)
+    if batch:
+        note += (
+            f"; its {step - counts.get('batch_in_epoch', 0)} steps in {epoch} epochs make a global batch of {batch} "
+            f"samples, so the step is counted again in this run's batches"
+        )
     if counts.get("batch_in_epoch"):
         note += (
             f"; epoch {epoch} restarts at its first sample (the file says {counts['batch_in_epoch']} of its batches "
             f"were trained but records no batch size; data_skip_steps=<n> skips n batches)"
         )
-    return Progress(epoch, step, epoch * epoch_size, 0, 0), note
+    return Progress(epoch, step, epoch * epoch_size, 0, batch), note
+
+
+def _peer_batch(epochs: int, steps: int, epoch_size: int) -> int:
+    """The peer's global batch size where its counters tell it: ``steps`` optimizer steps over ``epochs`` whole epochs
+    of ``epoch_size`` samples (the last batch of an epoch may be short); 0 when they do not. With it, ``reposition``
+    counts the step in this run's batches (``samples_seen // global_batch_size``), as for a peer that records it."""
+    if epochs <= 0 or steps <= 0 or epoch_size <= 0 or steps % epochs:
+        return 0
+    per_epoch = steps // epochs
+    return -(-epoch_size // per_epoch) if per_epoch <= epoch_size else 0
 
 
 def _changes(theirs: Mapping[str, Any], mine: Mapping[str, Any], prefix: str) -> list[str]:

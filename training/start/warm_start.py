@@ -13,6 +13,7 @@ training/start/load_path.py, the one reader of ``load_path``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -33,6 +34,11 @@ from training.start.load_path import read_checkpoint, read_weights
 
 logger = logging.getLogger(__name__)
 WEIGHTS_ONLY = "load_weights_only=true to take the weights alone"
+# A full-state carry-over onto other data (MindSpore Transformers' "resume with the dataset changed" scenarios)
+CHANGED_DATA = (
+    "to carry the optimizer state and progress over onto this data, set ignore_data_skip=true (its epoch starts at "
+    f"its first sample) or data_skip_steps=<n> (n of its batches skipped); or set {WEIGHTS_ONLY} and count from zero"
+)
 
 
 @dataclass
@@ -195,7 +201,7 @@ def _check_peer(config: TrainConfig, peer: PeerCheckpoint) -> None:
     if peer.optimizer_state is not None:
         _optimizer_state(config, peer, optimizer, optimizer_param_names(model, optimizer))
     if peer.progress:
-        needs_size = "samples_seen" not in peer.progress and config.duration.unit == "sp"
+        needs_size = "samples_seen" not in peer.progress  # samples_seen and the step at this run's batch size
         progress, _ = peer_progress(peer.progress, _epoch_size(config) if needs_size else 0)
         _check_progress(config, progress, _where(config))
 
@@ -218,8 +224,13 @@ def _check_full_folder(config: TrainConfig) -> None:
 def _check_progress(config: TrainConfig, progress: Progress, what: str, *, skipped: bool = False) -> None:
     """The progress a new run carries places it in the recipe's data (training/position/progress.py), and counts max_duration
     from it (Composer's rule): refused when nothing would be left to train."""
+    if config.ignore_data_skip or config.data_skip_steps is not None:
+        # the new data's position is the option's (reposition applies it before the first batch), not the file's
+        progress, skipped = dataclasses.replace(progress, sample_in_epoch=0), True
     epoch_size = _epoch_size(config) if progress.sample_in_epoch else 0
-    check_progress(progress, epoch_size, what, f"set {WEIGHTS_ONLY} and count from zero", skipped=skipped)
+    changed_data = bool(epoch_size) and progress.sample_in_epoch >= epoch_size  # an epoch shorter than the file's
+    fix = CHANGED_DATA if changed_data else f"set {WEIGHTS_ONLY} and count from zero"
+    check_progress(progress, epoch_size, what, fix, skipped=skipped)
     p = rescaled(progress, config.global_batch_size)
     if is_complete(p, config.duration):
         raise ConfigError(

@@ -1,0 +1,264 @@
+"""MindSpore Transformers' own output as ``load_path``: ``output/checkpoint`` (rank folders) and ``rank_<r>/`` folders
+with several ``{prefix}-{epoch}_{step}.ckpt`` files and a ``meta.json`` naming the newest, built from the files the real
+MindSpore 2.10.0 wrote (tests/fixtures/peers/mindspore); a missing, damaged or hostile ``meta.json`` falls back to the
+newest file by name; the step a MindSpore file carries is counted in this run's batches, as a native run's is."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from checkpointing import CheckpointStore
+from checkpointing.peers.formats import read_peer_checkpoint
+from checkpointing.peers.weights import WeightsError
+from training.config import ConfigError, load_config
+from training.position.progress import Progress
+from training.run import Run
+from training.start.warm_start import check_load_path
+from training.unit.loop import run_unit
+from training.unit.session import restore
+
+PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers" / "mindspore"
+CKPT = PEERS / "checkpoint" / "rank_0" / "tiny_rank_0-2_4.ckpt"  # one MindSpore run
+SAFETENSORS = PEERS / "checkpoint" / "rank_0" / "tiny_rank_0-2_4.safetensors"  # another (other dropout draws)
+NETWORK = PEERS / "checkpoint_network" / "rank_0" / "tiny_rank_0-2_4.ckpt"
+REF = safetensors.torch.load_file(PEERS.parent / "mindspore.reference.safetensors")
+NAMES = ["0.weight", "0.bias", "3.weight", "3.bias"]
+NEWEST, OLDER = "tiny_rank_0-10_4.ckpt", "tiny_rank_0-9_4.safetensors"  # by {epoch}_{step}; by text, 9 sorts last
+
+
+def output_tree(root: Path, meta: dict | None = None, ranks: int = 2) -> Path:
+    """``root/output`` as a MindSpore Transformers run leaves it: per rank the newest file (the .ckpt run's) and an
+    older one (the safetensors run's), written newest first so that neither mtime nor text order picks the newest;
+    ``meta.json`` per rank (``meta`` for it, default: naming the newest); ``checkpoint_network/`` beside."""
+    for rank in range(ranks):
+        folder = root / "output" / "checkpoint" / f"rank_{rank}"
+        folder.mkdir(parents=True)
+        shutil.copy(CKPT, folder / NEWEST.replace("rank_0", f"rank_{rank}"))
+        shutil.copy(SAFETENSORS, folder / OLDER.replace("rank_0", f"rank_{rank}"))
+        name = NEWEST.replace("rank_0", f"rank_{rank}")
+        record = meta if meta is not None else {"last_epoch": 10, "last_step": 4, "last_ckpt_file": name}
+        (folder / "meta.json").write_text(json.dumps(record))
+        network = root / "output" / "checkpoint_network" / f"rank_{rank}"
+        network.mkdir(parents=True)
+        shutil.copy(NETWORK, network / NEWEST.replace("rank_0", f"rank_{rank}"))
+    return root / "output"
+
+
+def weights_of(fmt: str) -> dict[str, torch.Tensor]:
+    return {n: REF[f"{fmt}/{n}"] for n in NAMES}
+
+
+def loaded_weights(uri: str) -> dict[str, torch.Tensor]:
+    return read_peer_checkpoint(uri).weights.state_dict
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def train(config) -> Run:
+    with Run.open(config) as run:
+        while not run.complete:
+            run.record(run_unit(config, start_checkpoint=run.head, generation=run.generation))
+    return run
+
+
+# -- the seed's resume configuration, as written -------------------------------------------------------------------
+def test_the_path_our_yaml_error_suggests_loads_rank_0s_file_that_meta_json_names(tmp_path, monkeypatch, make_config):
+    output_tree(tmp_path)
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("load_checkpoint: './output/checkpoint'\n")
+    with pytest.raises(ConfigError, match=r"load_checkpoint -> load_path: './output/checkpoint'"):
+        load_config(["--config_file", str(yaml)])
+    monkeypatch.chdir(tmp_path)  # the user's working folder, as MindSpore's relative path means it
+    config = make_config(run_name="from-ms", load_path="./output/checkpoint", max_duration="3ep")
+    check_load_path(config)  # the flow's check before anything is written: not "neither a checkpoint folder ..."
+    session, origin = restore(config, CheckpointStore(config.save_folder, config.run_name))
+    assert origin.kind == "load_path" and "rank_0 of a MindSpore Transformers checkpoint folder" in origin.text
+    for name, param in session.model.named_parameters():  # the .ckpt run's weights and nn.Momentum's moments
+        assert torch.equal(param.detach(), REF[f"ckpt/{name}"]), name
+        assert torch.equal(session.optimizer.state[param]["momentum_buffer"], REF[f"ckpt/moments.{name}"]), name
+
+
+def test_meta_json_decides_even_when_it_names_an_older_file(tmp_path):
+    out = output_tree(tmp_path, {"last_epoch": 9, "last_step": 4, "last_ckpt_file": OLDER})
+    assert same(loaded_weights(str(out / "checkpoint")), weights_of("safetensors"))
+    assert same(loaded_weights(str(out / "checkpoint" / "rank_0")), weights_of("safetensors"))
+    assert same(loaded_weights(str(out / "checkpoint") + "/"), weights_of("safetensors"))
+
+
+def test_a_rank_folder_reads_its_own_meta_json_and_checkpoint_network_its_newest_file(tmp_path, caplog):
+    out = output_tree(tmp_path)
+    rank_1 = out / "checkpoint" / "rank_1"
+    assert same(loaded_weights(str(rank_1)), weights_of("ckpt"))
+    peer = read_peer_checkpoint(str(rank_1))
+    assert peer.description.startswith(
+        f"a MindSpore Transformers rank folder, the file its meta.json names ('{NEWEST.replace('rank_0', 'rank_1')}')"
+    )
+    with caplog.at_level(logging.WARNING):
+        network = read_peer_checkpoint(str(out / "checkpoint_network"))
+    assert same(network.weights.state_dict, weights_of("ckpt")) and network.optimizer_state is None
+    assert "meta.json is missing; took the newest file by the {epoch}_{step} in its name instead" in caplog.text
+
+
+def test_a_checkpoint_folder_without_rank_0_is_refused_naming_its_rank_folders(tmp_path):
+    out = output_tree(tmp_path)
+    shutil.rmtree(out / "checkpoint" / "rank_0")
+    with pytest.raises(
+        WeightsError, match=r"a MindSpore checkpoint folder without a rank_0 folder \(it holds 'rank_1'\)"
+    ):
+        read_peer_checkpoint(str(out / "checkpoint"))
+
+
+# -- meta.json missing, damaged or hostile: the newest file by name, and a warning that says so -----------------------
+OUTSIDE = "outside-9_4.ckpt"
+
+
+@pytest.mark.parametrize(
+    "meta, problem",
+    [
+        (None, "is missing"),
+        (b'{"last_epoch": 10, ', "is not JSON"),
+        (b"\xff\xfe not text", "is not JSON"),
+        (b'[10, 4, "x.ckpt"]', "is not {'last_epoch': int, 'last_step': int, 'last_ckpt_file': file name}"),
+        ({"last_epoch": "10", "last_step": 4, "last_ckpt_file": NEWEST}, "is not {'last_epoch': int"),
+        ({"last_epoch": True, "last_step": 4, "last_ckpt_file": NEWEST}, "is not {'last_epoch': int"),
+        ({"last_epoch": 10, "last_step": -4, "last_ckpt_file": NEWEST}, "is not {'last_epoch': int"),
+        ({"last_epoch": 9, "last_step": 4, "last_ckpt_file": f"../outside/{OUTSIDE}"}, "names a path, not a file"),
+        ({"last_epoch": 9, "last_step": 4, "last_ckpt_file": "/etc/passwd-9_4.ckpt"}, "names a path, not a file"),
+        ({"last_epoch": 9, "last_step": 4, "last_ckpt_file": "..\\outside-9_4.ckpt"}, "names a path, not a file"),
+        ({"last_epoch": 9, "last_step": 4, "last_ckpt_file": "gone-9_4.ckpt"}, "names a file that is not one of"),
+        ({"last_epoch": 7, "last_step": 1, "last_ckpt_file": OLDER}, "names a file whose {epoch}_{step} differs"),
+        (b" " * (64 << 10) + b"{}", "is unreadable"),
+    ],
+)
+def test_a_damaged_or_hostile_meta_json_falls_back_to_the_newest_file_by_name(tmp_path, caplog, meta, problem):
+    out = output_tree(tmp_path)
+    (tmp_path / "outside").mkdir()
+    shutil.copy(SAFETENSORS, tmp_path / "outside" / OUTSIDE)
+    rank_0 = out / "checkpoint" / "rank_0"
+    if meta is None:
+        (rank_0 / "meta.json").unlink()
+    else:
+        (rank_0 / "meta.json").write_bytes(meta if isinstance(meta, bytes) else json.dumps(meta).encode())
+    with caplog.at_level(logging.WARNING):
+        assert same(loaded_weights(str(out / "checkpoint")), weights_of("ckpt"))  # the newest by name, not meta's
+    assert f"meta.json {problem}" in caplog.text
+    assert f"took the newest file by the {{epoch}}_{{step}} in its name instead: '{NEWEST}'" in caplog.text
+    assert "passwd" not in caplog.text and "outside" not in caplog.text  # its content is never quoted back
+
+
+def test_meta_json_that_is_a_link_is_not_followed(tmp_path, caplog):
+    out = output_tree(tmp_path)
+    rank_0 = out / "checkpoint" / "rank_0"
+    planted = tmp_path / "planted.json"  # a sound record, elsewhere: it would pick the older file
+    planted.write_text(json.dumps({"last_epoch": 9, "last_step": 4, "last_ckpt_file": OLDER}))
+    (rank_0 / "meta.json").unlink()
+    os.symlink(planted, rank_0 / "meta.json")
+    with caplog.at_level(logging.WARNING):
+        assert same(loaded_weights(str(rank_0)), weights_of("ckpt"))
+    assert "meta.json is a link, not followed" in caplog.text
+
+
+def test_a_checkpoint_file_that_is_a_link_out_of_the_folder_is_never_chosen(tmp_path, caplog):
+    out = output_tree(tmp_path)
+    rank_0 = out / "checkpoint" / "rank_0"
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(SAFETENSORS, tmp_path / "elsewhere" / "x.safetensors")
+    os.symlink(tmp_path / "elsewhere" / "x.safetensors", rank_0 / "tiny_rank_0-99_4.safetensors")  # newest by name
+    (rank_0 / "meta.json").write_text(
+        json.dumps({"last_epoch": 99, "last_step": 4, "last_ckpt_file": "tiny_rank_0-99_4.safetensors"})
+    )
+    with caplog.at_level(logging.WARNING):
+        assert same(loaded_weights(str(rank_0)), weights_of("ckpt"))
+    assert "left out 1 checkpoint file name(s) that are links" in caplog.text
+    assert "meta.json names a file that is not one of this folder's checkpoint files" in caplog.text
+
+
+def test_a_rank_folder_that_is_a_link_is_refused(tmp_path):
+    out = output_tree(tmp_path, ranks=1)
+    shutil.move(out / "checkpoint" / "rank_0", tmp_path / "real_rank_0")
+    os.symlink(tmp_path / "real_rank_0", out / "checkpoint" / "rank_0")
+    with pytest.raises(WeightsError, match="without a rank_0 folder"):
+        read_peer_checkpoint(str(out / "checkpoint"))
+
+
+# -- the step, counted in this run's batches as a native run counts it ---------------------------------------------
+@pytest.mark.parametrize("global_batch_size", [16, 32, 64])
+def test_the_carried_step_and_samples_equal_a_native_runs_at_this_runs_batch_size(
+    tmp_path, make_config, global_batch_size
+):
+    # MindSpore trained 2 epochs in 8 steps (4 an epoch); here 2 epochs of the recipe's 256 samples
+    native = train(make_config(run_name="native", max_duration="2ep", global_batch_size=global_batch_size))
+    out = output_tree(tmp_path)
+    config = make_config(run_name="from-ms", load_path=str(out / "checkpoint"), max_duration="3ep",
+                         global_batch_size=global_batch_size)  # fmt: skip
+    session, _ = restore(config, CheckpointStore(config.save_folder, config.run_name))
+    assert session.progress == native.progress
+    assert session.progress.step == 512 // global_batch_size and session.progress.samples_seen == 512
+    assert session.scheduler.last_epoch == session.progress.step  # the recipe's schedule at the carried step
+    resumed = train(config)
+    assert resumed.progress.step == 3 * 256 // global_batch_size  # where a native 3-epoch run ends
+
+
+def _with_global_batch_size(data: bytes, value: int) -> bytes:
+    """A MindSpore Transformers file: MindSpore's ``.ckpt`` with the ``global_batch_size`` its CheckpointMonitor
+    appends (an Int64 scalar, laid out as MindSpore writes ``epoch_num``)."""
+    tensor = b"\x08\x00" + b"\x12\x05Int64" + b"\x1a\x08" + value.to_bytes(8, "little")
+    tag = b"global_batch_size"
+    value_msg = b"\x0a" + bytes([len(tag)]) + tag + b"\x12" + bytes([len(tensor)]) + tensor
+    return data + b"\x0a" + bytes([len(value_msg)]) + value_msg
+
+
+def test_a_recorded_global_batch_size_gives_the_samples_and_is_not_a_weight(tmp_path):
+    path = tmp_path / "llama_rank_0-2_4.ckpt"
+    path.write_bytes(_with_global_batch_size(CKPT.read_bytes(), 64))
+    peer = read_peer_checkpoint(str(path))
+    assert sorted(peer.weights.state_dict) == sorted(NAMES)
+    assert peer.progress == {"epoch": 2, "step": 8, "samples_seen": 512, "global_batch_size": 64}
+    assert (
+        "progress (epoch=2, step=8, samples_seen=512, global_batch_size=64, from epoch_num/global_step/"
+        "global_batch_size)" in peer.taken
+    )
+
+
+# -- a full-state carry-over onto changed data: the hint names what works -------------------------------------------
+def test_the_changed_data_refusal_names_ignore_data_skip_which_then_carries_the_state_over(make_config):
+    a = make_config(run_name="a", max_duration="4ba", save_interval="4ba")  # half an epoch: sample 128 of 256
+    train(a)
+    smaller = {"num_samples": 64}
+    b = make_config(run_name="b", load_path=f"{a.save_folder}/a", recipe_args=smaller, max_duration="2ep")
+    with pytest.raises(ConfigError) as info:
+        check_load_path(b)
+    assert "sample_in_epoch=128 is past the end of an epoch of this run's data (64 samples)" in str(info.value)
+    assert "set ignore_data_skip=true (its epoch starts at its first sample) or data_skip_steps=<n>" in str(info.value)
+    b = b.model_copy(update={"ignore_data_skip": True})
+    check_load_path(b)
+    session, _ = restore(b, CheckpointStore(b.save_folder, "b"))
+    assert session.progress == Progress(epoch=0, step=4, samples_seen=128, sample_in_epoch=0, global_batch_size=32)
+    assert session.optimizer.state  # the optimizer's state came along, not weights only
+    assert train(b).progress.epoch == 2
+
+
+def test_an_object_store_copy_of_the_output_reads_the_same(tmp_path):
+    import fsspec
+
+    out = output_tree(tmp_path, {"last_epoch": 9, "last_step": 4, "last_ckpt_file": OLDER})
+    fs = fsspec.filesystem("memory")
+    for path in out.rglob("*"):
+        if path.is_file():
+            fs.pipe(f"/ms-{tmp_path.name}/{path.relative_to(tmp_path)}", path.read_bytes())
+    try:
+        uri = f"memory://ms-{tmp_path.name}/output/checkpoint"
+        assert same(loaded_weights(uri), weights_of("safetensors"))  # meta.json's choice, read from the store
+        assert same(loaded_weights(uri.replace("checkpoint", "checkpoint_network")), weights_of("ckpt"))
+    finally:
+        fs.rm(f"/ms-{tmp_path.name}", recursive=True)
