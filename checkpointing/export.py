@@ -30,6 +30,7 @@ from checkpointing.errors import CorruptCheckpointError, NotACheckpointError, We
 from checkpointing.io import confine
 from checkpointing.io.protocols import is_local_fs, open_url
 from checkpointing.io.storage import Storage
+from checkpointing.peers.weights import LAYOUTS, unwrap
 from checkpointing.store import STATE_FILE, CheckpointInfo, CheckpointStore, validate_name
 from checkpointing.uris import split_run_uri
 
@@ -75,6 +76,7 @@ def model_weights(uri: str, storage_options: dict[str, Any] | None) -> tuple[dic
     except ValueError as exc:
         raise NotACheckpointError(f"uri={uri!r}: {exc}") from exc
     found = [store.info(validate_name(name, "uri"))] if name is not None else list(store.candidates())
+    no_weights = ""  # the newest checkpoint that verified but holds no weights: why
     for info in found:
         if info is None:
             break
@@ -87,17 +89,30 @@ def model_weights(uri: str, storage_options: dict[str, Any] | None) -> tuple[dic
         except CorruptCheckpointError as exc:
             if name is not None:
                 raise
+            no_weights = no_weights or (str(exc) if isinstance(exc, _NoWeights) else "")
             log.warning("skipping checkpoint %s: %s", info.name, exc)
+    if no_weights:
+        raise NotACheckpointError(f"uri={uri!r}: no checkpoint there holds model weights; the newest that verifies: "
+                                  f"{no_weights}")  # fmt: skip
     raise NotACheckpointError(f"uri={uri!r}: no checkpoint there that verifies")
 
 
+class _NoWeights(CorruptCheckpointError):
+    """A checkpoint that verifies but whose state holds no weights in a layout ``load_path`` reads."""
+
+
 def _model_of(state: Any, info: CheckpointInfo) -> dict[str, Any]:
-    """``state["state"]["model"]``; CorruptCheckpointError (the next checkpoint is tried) when it is not there."""
-    model = state.get("state") if isinstance(state, dict) else None
-    model = model.get("model") if isinstance(model, dict) else None
-    if not isinstance(model, dict):
-        raise CorruptCheckpointError(f"{info.uri}/{STATE_FILE}: holds no ['state']['model'] state_dict")
-    return model
+    """The weights in ``state["state"]``, looked for as ``load_path`` looks for them in a file (``unwrap``: the train
+    loop's ``["model"]``, an own loop's ``["model_weights"]``, ...); _NoWeights (the next checkpoint is tried) when
+    they are not there."""
+    where = f"{info.uri}/{STATE_FILE}"
+    inner = state.get("state") if isinstance(state, dict) else None
+    if inner is None:
+        raise _NoWeights(f"{where}: holds no ['state'] (looked for the weights under it: {LAYOUTS})")
+    try:
+        return unwrap(inner, f"{where} ['state']").state_dict
+    except WeightsError as exc:
+        raise _NoWeights(str(exc)) from exc
 
 
 def export_metadata(info: CheckpointInfo) -> dict[str, Any]:

@@ -326,9 +326,18 @@ def unwrap(obj: Any, where: str) -> Weights:
     # what was found, by kind and size only: the file may be another team's, its keys are its content
     found = f"a mapping of {len(obj)} keys" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
     raise WeightsError(
-        f"{where}: holds no state_dict in a layout this reader knows (found {found}); expected a state_dict, "
-        f"{{'model': ...}}, {{'state': {{'model': ...}}}}, {{'state_dict': ...}} or {{'model_state_dict': ...}}"
+        f"{where}: holds no state_dict in a layout this reader knows (found {found}); expected {LAYOUTS}"
     )
+
+
+# What ``unwrap`` looks for, for people (export's error names it too): written from the keys it tries.
+LAYOUTS = (
+    ", ".join(
+        ["a state_dict", "{'model': ...}", "{'state': {'model': ...}}", "{'state_dict': ...}"]
+        + [f"{{{k!r}: ...}}" for k in _USER_KEYS[:-1]]
+    )
+    + f" or {{{_USER_KEYS[-1]!r}: ...}}"
+)
 
 
 def _strip_wrapper_prefixes(state_dict: dict[str, Any], model_keys: set[str]) -> tuple[dict[str, Any], str]:

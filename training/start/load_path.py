@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from checkpointing import LoadedCheckpoint, open_checkpoint_uri
 from checkpointing.peers.formats import PeerCheckpoint, is_weights_file, read_peer_checkpoint
-from checkpointing.peers.weights import Weights
+from checkpointing.peers.weights import Weights, WeightsError, unwrap
 from checkpointing.store import STATE_FILE
-from training.config import TrainConfig
+from training.config import ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,11 @@ def read_weights(config: TrainConfig) -> LoadPathWeights | None:
     if not config.load_weights_only:
         return None
     loaded = read_checkpoint(config)
-    weights = Weights(loaded.objects[STATE_FILE]["state"]["model"], f"checkpoint {loaded.info.name}")
+    try:  # the train loop's ["model"], an own loop's ["model_weights"], ...: as export looks for them
+        found = unwrap(loaded.objects[STATE_FILE]["state"], f"load_path={config.load_path!r} ({loaded.info.name})")
+    except WeightsError as exc:
+        raise ConfigError(str(exc)) from exc
+    weights = Weights(found.state_dict, f"checkpoint {loaded.info.name}")
     peer = PeerCheckpoint(weights, description=weights.description)
     return LoadPathWeights(peer, f"weights of {loaded.info.uri} (load_path)", from_file=False)
 
