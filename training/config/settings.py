@@ -257,6 +257,30 @@ class TrainConfig(BaseSettings):
         "Slurm's --signal=USR1@60.",
     )
     log_every_n_steps: int = Field(20, ge=1, le=MAX_COUNT, description="Print a progress line every this many steps.")
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files (per step: loss, lr; samples/s every log_every_n_steps; unit, "
+        "eval and report metrics) to <metrics_dir>/<run_name>, else to <save_folder>/<run_name>/tb for a local "
+        "save_folder (an object store needs metrics_dir). A resumed run continues the same curve.",
+    )
+    metrics_dir: str | None = Field(
+        None,
+        description="Local folder for TensorBoard event files, one sub-folder per run (<metrics_dir>/<run_name>); "
+        "without it, a run whose save_folder is an object store writes none.",
+    )
+    mlflow: bool = Field(
+        True,
+        description="Log parameters, metrics and checkpoint URIs to MLflow when the environment sets "
+        "MLFLOW_TRACKING_URI; a resumed run continues the same MLflow run. false turns it off.",
+    )
+    mlflow_experiment: str | None = Field(
+        None, description="MLflow experiment of the run (default: MLFLOW_EXPERIMENT_NAME, else 'Default')."
+    )
+    progress_bar: bool = Field(
+        True,
+        description="Show a progress bar (step, loss, time left) when stdout and stderr are a terminal (never "
+        "under a Prefect worker); false turns it off.",
+    )
     inject_fault_at_step: int | None = Field(
         None,
         ge=1,
@@ -298,6 +322,30 @@ class TrainConfig(BaseSettings):
         from training.preemption import parse_signals
 
         return [s.name for s in parse_signals(v)]
+
+    @field_validator("metrics_dir")
+    @classmethod
+    def _metrics_dir(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        text = v.strip()
+        if text.startswith("file://"):
+            text = text.removeprefix("file://")
+        if not text or "://" in text or any(ord(c) < 32 for c in text) or len(text) > 1024:
+            raise ValueError(
+                f"metrics_dir={short(v)}: TensorBoard event files go to a local folder; use a local path such as "
+                f"'tensorboard' (sync it to an object store yourself), or leave it unset"
+            )
+        return text
+
+    @field_validator("mlflow_experiment")
+    @classmethod
+    def _mlflow_experiment(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or len(v) > 500 or any(ord(c) < 32 for c in v)):
+            raise ValueError(
+                f"mlflow_experiment={short(v)}: use a name of 1 to 500 printable characters, or leave it unset"
+            )
+        return v
 
     @field_validator("num_checkpoints_to_keep")
     @classmethod

@@ -30,6 +30,7 @@ from training.preemption import Preempted, SaveBudget, Stop
 from training.unit import session as sessions
 from training.unit.checkpointer import Checkpointer
 from training.unit.evaluation import evaluate_model, to_device
+from training.unit.metrics_log import MetricLog, metrics_for
 from training.unit.session import SINGLE_PROCESS, OriginKind, Session, World
 from training.unit.warm import PROCESS, SessionCache
 
@@ -99,23 +100,32 @@ def run_unit(
             p.step,
             p.samples_seen,
         )
+    log = metrics_for(config, store, world)  # TensorBoard, MLflow, the progress bar (rank 0)
     try:
+        log.start(p.step, _total_steps(session))
         checkpointer = Checkpointer(config, store, cache.committer, generation=generation, world=world)
-        metrics, steps, stop = _train(config, session, unit, attempt, checkpointer)
+        metrics, steps, stop = _train(config, session, unit, attempt, checkpointer, log)
         if stop is not None and steps == 0:
             raise _preempted(stop, origin.checkpoint, session, None, cache)
         if stop is not None and not budget.fits(stop):
             raise _preempted(stop, origin.checkpoint, session, None, cache, budget.why_not(stop))
+        log.log(
+            p.step, {"unit/train_loss": metrics["train_loss"], "unit/samples_per_second": metrics["samples_per_second"]}
+        )
+        log.checkpoint(p.step)  # what was logged is on disk before the checkpoint that covers it exists
         saved = checkpointer.save(session, metrics)
         pending, stall = saved.pending, saved.seconds
         metrics = {**metrics, "checkpoint_seconds": stall}
+        log.checkpoint(p.step, pending.name, pending.uri)
         budget.observe(stall)  # and once an upload in the background is done, the whole commit: a stop waits for it
         pending.when_committed(lambda seconds: budget.observe(max(seconds, stall)))
         if stop is not None:
             raise _preempted(stop, pending.name, session, stall, cache)
         if is_complete(session.progress, config.duration):
             checkpointer.finish()  # the run is done only when its last checkpoint is committed
+        log.end(complete=is_complete(session.progress, config.duration))
     except BaseException as exc:
+        log.end()
         cache.release(session)  # a failed attempt's state must not leak into the retry
         if isinstance(exc, Exception) and not isinstance(exc, (CheckpointError, StorageError, Permanent)):
             # training failed, not the store: the newest snapshot reaches the store before the retry starts
@@ -185,7 +195,7 @@ def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[
 
 # -- train ----------------------------------------------------------------------------------------
 def _train(
-    config: TrainConfig, s: Session, unit: int, attempt: int, checkpointer: Checkpointer
+    config: TrainConfig, s: Session, unit: int, attempt: int, checkpointer: Checkpointer, log: MetricLog
 ) -> tuple[dict[str, float], int, Stop | None]:
     """Trains to the end of the unit, or to the step boundary where a stop was agreed (returned), taking the
     snapshots of ``snapshot_interval`` on the way."""
@@ -213,14 +223,16 @@ def _train(
             if s.ctx is not None and s.ctx.last_grad_norm is not None:
                 norms.append(s.ctx.last_grad_norm)
             epoch_ended = p.advance(global_n, epoch_size)
+            rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
+            log.log(p.step, _step_metrics(s, losses[-1], rate if p.step % config.log_every_n_steps == 0 else None))
             try:
                 if config.eval_every is not None and crossed(p, config.eval_every, epoch_ended, global_n):
                     evaluated = _evaluate(config, s)
+                    log.log(p.step, {f"eval/{k[5:]}": v for k, v in evaluated.items() if k != "eval_step"})
             except _StopAtStep as stopped:  # the evaluation was cut short; the step it followed stands
                 stop = stopped.stop
                 break
             if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
-                rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
                 logger.info(
                     "unit %d: step %d, epoch %d, sample %d/%d, train_loss %.4f, %.0f samples/s",
                     unit,
@@ -234,6 +246,7 @@ def _train(
             if ends_unit(p, config.interval, config.duration, epoch_ended, global_n):
                 unit_over = True
             elif snapshot_every is not None and crossed(p, snapshot_every, epoch_ended, global_n):
+                log.checkpoint(p.step)  # a snapshot may be resumed from: what it covers is logged first
                 stall = checkpointer.snapshot(s, {"train_loss": sum(losses) / len(losses), **evaluated})
                 stalls.extend([stall] if stall is not None else [])
             if config.inject_fault_at_step == p.step and attempt == 1:
@@ -257,6 +270,22 @@ def _train(
         **evaluated,
     }
     return metrics, len(losses), stop
+
+
+def _step_metrics(s: Session, loss: float, rate: float | None) -> dict[str, float]:
+    """A step's scalars for TensorBoard and MLflow: this process's loss, the first group's learning rate and, every
+    ``log_every_n_steps``, the unit's samples per second so far."""
+    lr = s.optimizer.param_groups[0].get("lr") if s.optimizer.param_groups else None
+    values = {"train/loss": loss, **({"train/lr": float(lr)} if lr is not None else {})}
+    return {**values, "train/samples_per_second": rate} if rate is not None else values
+
+
+def _total_steps(s: Session) -> int | None:
+    """Steps of the whole run (the progress bar's total), when the run context can say."""
+    try:
+        return s.ctx.total_steps if s.ctx is not None else None
+    except Exception:  # a context without the dataset's size
+        return None
 
 
 def _evaluate(config: TrainConfig, s: Session) -> dict[str, float]:
