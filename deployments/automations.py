@@ -63,6 +63,7 @@ ALIVE_OR_DONE = {
     "prefect.flow-run.Cancelling",
     "prefect.flow-run.Paused",
     "prefect.flow-run.Suspended",
+    "prefect.flow-run.AttemptDied",  # a subflow of a dead attempt, ended by the restarted one (flows/restarts.py)
 }
 
 

@@ -15,15 +15,28 @@ from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterParentTaskRunId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
 from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
-from prefect.states import Scheduled
+from prefect.states import Cancelled, Crashed, Scheduled
 
-from tasks.train_unit import PREEMPTED
+from tasks.train_unit import PREEMPTED, SUPERSEDED
 from training.preemption import STOP, Preempted
 
 logger = logging.getLogger(__name__)
 RESTARTED = "AwaitingRestart"  # the state the restart automation sets (deployments/automations.py)
+ATTEMPT_DIED = "AttemptDied"  # the Crashed state of a task run an earlier attempt left unfinished
+UNFINISHED = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]
 
 
 def retries_of(run_count: int | None) -> int:
@@ -61,8 +74,9 @@ def leave(stop: Preempted) -> BaseException:
     - Prefect asked to cancel it (its runner sends SIGTERM): cancelled, after the checkpoint;
     - a termination signal in a deployment run: rescheduled now (``Preempted``, a Scheduled state), so that a worker
       picks it up again without waiting for a crash to be noticed, and never shown as Failed;
-    - anything else (a run outside a deployment, or taken over by another run): ``Preempted`` itself, which the
-      caller sees (the CLI exits 143; 130 for Ctrl-C)."""
+    - anything else (a run outside a deployment, or taken over by another run): Cancelled, named ``Preempted`` (or
+      ``Superseded``), never Crashed; ``train()``'s caller still gets the ``Preempted`` (flows/train.py; the CLI
+      exits 143, 130 for Ctrl-C)."""
     logger.warning("%s%s", stop.describe(), "; the restart will resume from it" if stop.checkpoint else "")
     if STOP.ignored:
         ignored = ", ".join(STOP.ignored)
@@ -70,12 +84,38 @@ def leave(stop: Preempted) -> BaseException:
     if stop.stop.kind == "handover":
         if flow_run.id and (stop.stop.by or {}).get("owner") == flow_run.id:
             return _abort_keeping_state("a newer attempt of this flow run took it over; this one leaves")
-        return stop
+        return _end_stopped(stop)
     if _cancel_requested():
         return TerminationSignal(signal.SIGTERM)
     if is_deployment_run():
         return _reschedule(stop)
-    return stop
+    return _end_stopped(stop)
+
+
+class StoppedRun(Abort):
+    """A flow run ended on request (its state, Cancelled ``Preempted``, is set already): Prefect's engine takes an
+    ``Abort`` carrying a state as the run's end, where a ``Preempted`` (a BaseException) would read as a crash
+    ("Crash detected! ... unexpected exception", two ERROR lines, Crashed). ``stop`` is what the caller sees."""
+
+    def __init__(self, stop: Preempted, state: Any):
+        super().__init__(stop.describe())
+        self.stop, self.state = stop, state
+
+
+def _end_stopped(stop: Preempted) -> BaseException:
+    """Ends a flow run that nothing will reschedule (one started from the CLI or Python) Cancelled, named after the
+    stop like its task run (tasks/train_unit.py); the person relaunches it. Without a flow run: the stop itself."""
+    if not flow_run.id:
+        return stop
+    name = PREEMPTED if stop.stop.kind == "signal" else SUPERSEDED
+    state: Any = Cancelled(name=name, message=stop.describe()[:1000])
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.set_flow_run_state(UUID(flow_run.id), state, force=True).state or state
+    except Exception as exc:  # the API is gone (a shutting-down machine): the caller still sees the stop
+        logger.debug("could not end the flow run %s: %s", name, exc)
+        return stop
+    return StoppedRun(stop, state)
 
 
 def _cancel_requested() -> bool:
@@ -127,6 +167,65 @@ def _abort_keeping_state(why: str) -> BaseException:
     abort = Abort(why)
     abort.state = state  # type: ignore[attr-defined]
     return abort
+
+
+def end_dead_attempts() -> int:
+    """Ends the task runs that earlier attempts of this flow run left Running, Pending or Scheduled: a SIGKILLed
+    attempt ends none of its own, and the UI would show them Running (a bar past the end of a Completed run) or
+    Pending forever. Each becomes Crashed, named ``AttemptDied``, saying which attempt took over; so does a subflow
+    run such a task run started (retrain's train), with its task runs. Called as a
+    restarted attempt starts, before it creates a task run; a task run records the attempt that ran it
+    (``flow_run_run_count``, 0 for one that never ran), so this attempt's are never touched. Returns how many it
+    ended; the API failing is a warning, never a reason not to train."""
+    attempt = flow_run_attempt()
+    if attempt <= 1 or not flow_run.id:
+        return 0
+    try:
+        return _end_task_runs_before(UUID(flow_run.id), attempt)
+    except Exception as exc:
+        logger.warning("could not end the task runs an earlier attempt left unfinished: %s", exc)
+        return 0
+
+
+def _end_task_runs_before(flow_run_id: UUID, attempt: int) -> int:
+    took_over = f"attempt {attempt} took the run over and resumes from the last checkpoint"
+    ended = 0
+    with get_client(sync_client=True) as client:
+        dead = [r for r in _unfinished_task_runs(client, flow_run_id) if r.flow_run_run_count < attempt]
+        for run in dead:  # flow_run_run_count: 0 for one that never ran, else the attempt that ran it
+            ran_in = f"attempt {run.flow_run_run_count}" if run.flow_run_run_count else "an earlier attempt"
+            ended += _end(
+                client.set_task_run_state, run.id, f"{ran_in} of this flow run died before ending it; {took_over}"
+            )
+        # A subflow such a task run started (retrain's train) died with it, and so did the subflow's task runs.
+        for child in _unfinished_subflows(client, [r.id for r in dead]) if dead else []:
+            why = f"the attempt of its parent flow run that ran it died; {took_over}"
+            ended += _end(client.set_flow_run_state, child.id, why)
+            for run in _unfinished_task_runs(client, child.id):
+                ended += _end(client.set_task_run_state, run.id, why)
+    if ended:
+        logger.info("%d run(s) an earlier attempt left unfinished are now Crashed (%s)", ended, ATTEMPT_DIED)
+    return ended
+
+
+def _unfinished_task_runs(client: Any, flow_run_id: UUID) -> list[Any]:
+    unfinished = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=UNFINISHED)))
+    return client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), task_run_filter=unfinished
+    )
+
+
+def _unfinished_subflows(client: Any, parent_task_run_ids: list[UUID]) -> list[Any]:
+    unfinished = FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))
+    parents = FlowRunFilterParentTaskRunId(any_=parent_task_run_ids)
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_task_run_id=parents, state=unfinished))
+
+
+def _end(set_state: Any, run_id: UUID, message: str) -> int:
+    """Sets a run Crashed, named AttemptDied (its state event is ``prefect.flow-run.AttemptDied``: the restart
+    automation, which reacts to ``prefect.flow-run.Crashed``, never sees it)."""
+    set_state(run_id, Crashed(name=ATTEMPT_DIED, message=message), force=True)
+    return 1
 
 
 def superseded_by_this_flow_run(store: Any) -> bool:

@@ -27,7 +27,7 @@ from checkpointing import validate_name
 from checkpointing.release import Release, ReleaseFile
 from flows import cli, ship_module_logs
 from flows.options import RetrainOptions
-from flows.restarts import is_deployment_run
+from flows.restarts import end_dead_attempts, is_deployment_run
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 from training.config.trust import confine_locations, release_locations
@@ -87,6 +87,7 @@ def retrain(
 ) -> RetrainResult:
     """Train one tick's model from the release's weights; promote it if ``metric`` is not worse."""
     ship_module_logs()
+    end_dead_attempts()
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
     if not is_deployment_run():

@@ -7,6 +7,7 @@ markdown and lets some raw HTML through (see flows/artifact_content.py).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from uuid import UUID
 
 from prefect.runtime import flow_run
@@ -55,6 +56,31 @@ def started_line(started_from: str) -> str:
     )
 
 
+def wall_time_line() -> str | None:
+    """How long the flow run has taken since it first started, across its attempts. Prefect's Duration (the UI's,
+    ``total_run_time``) adds up only the stretches the run spent Running: after a crash and restart it leaves out
+    the time until the restart ran (crash report, automation, a worker picking the run up, the process starting),
+    so a run that took 56 s showed "Duration 33s". None outside a flow run or when the API cannot tell."""
+    from prefect.client.orchestration import get_client
+
+    if flow_run.id is None:
+        return None
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(UUID(flow_run.id))
+    if run.start_time is None:
+        return None
+    wall = (datetime.now(UTC) - run.start_time).total_seconds()
+    line = f"wall time since the flow run first started: {wall:.0f} s ({content.duration_text(wall)})"
+    attempt = flow_run_attempt()
+    if attempt > 1:
+        running = run.estimated_run_time.total_seconds()
+        line += (
+            f", over {attempt} attempts; Prefect's Duration counts only the time spent Running "
+            f"({content.duration_text(running)} so far), not the time between a crash and its restart"
+        )
+    return line
+
+
 def summary_markdown(
     config: TrainConfig,
     store: CheckpointStore,
@@ -71,6 +97,10 @@ def summary_markdown(
     except Exception:
         retries = None
     changes = batch_size_changes(checkpoints)
+    try:
+        wall = wall_time_line()
+    except Exception:
+        wall = None
     lines = [
         f"# Run {md_code(config.run_name)}",
         "",
@@ -78,6 +108,7 @@ def summary_markdown(
         f"- recipe: {md_code(config.recipe)}, max\\_duration {md_code(config.max_duration)}, "
         f"save\\_interval {md_code(config.save_interval)}, global\\_batch\\_size {config.global_batch_size}",
         f"- {started_line(started_from)}; flow-run restarts so far: {restart_count()}",
+        *([f"- {wall}"] if wall else []),
         f"- units trained in this flow run attempt: {len(units)}; resumed from a stored checkpoint: {len(resumed)}",
         f"- unit retries: {'unknown' if retries is None else retries}",
         f"- global batch size changes: {md_escape('; '.join(changes)) if changes else 'none'}",

@@ -23,6 +23,8 @@ from flows import cli, ship_module_logs
 from flows.artifacts import RunReport
 from flows.restarts import (
     AttemptAlive,
+    StoppedRun,
+    end_dead_attempts,
     flow_run_attempt,
     is_deployment_run,
     leave,
@@ -45,18 +47,23 @@ __all__ = ["Preempted", "RestartLimitError", "TrainConfig", "TrainResult", "allo
 
 class TrainFlow(Flow):
     """``train(config)`` called from Python runs against the Prefect API that ``python -m flows.train`` uses: a
-    running server, or a temporary one of ours that stops with this process (Prefect's own outlives a SIGKILL)."""
+    running server, or a temporary one of ours that stops with this process (Prefect's own outlives a SIGKILL).
+    A run stopped on request raises ``Preempted`` to its caller, though Prefect saw it end Cancelled (StoppedRun)."""
 
     def __call__(self, *args, **kwargs):
-        if FlowRunContext.get() is not None:  # a subflow: the API is already there
-            return super().__call__(*args, **kwargs)
-        with prefect_api():
-            return super().__call__(*args, **kwargs)
+        try:
+            if FlowRunContext.get() is not None:  # a subflow: the API is already there
+                return super().__call__(*args, **kwargs)
+            with prefect_api():
+                return super().__call__(*args, **kwargs)
+        except StoppedRun as ended:
+            raise ended.stop from None
 
 
 def train_flow(config: TrainConfig) -> TrainResult:
     """Train ``config.recipe`` to ``config.max_duration``, one checkpointed unit per task."""
     ship_module_logs()
+    end_dead_attempts()  # before this attempt creates a task run of its own
     check_restart_cap(config.max_restarts)
     refuse_storage_options_from_parameters()
     owner, attempt = flow_run.id or "", flow_run_attempt()

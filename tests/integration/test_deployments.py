@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -22,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 from prefect.client.schemas.objects import StateType
 
 from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED
@@ -43,6 +44,7 @@ from tests.integration.stack_client import (
     scheduled_runs,
     start_run,
     state_names,
+    task_run_states,
     wait_for,
     wait_for_state,
 )
@@ -149,6 +151,18 @@ def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefec
     assert saved["ep1-ba8-sa256"].manifest.writer.pid == victim
     assert saved["ep2-ba16-sa512"].manifest.writer.pid != victim
     logs_containing(prefect_stack, run_id, "unit 1 (attempt 1): starting from checkpoint ep1-ba8-sa256 at epoch 1")
+    # What the UI shows is true: the killed attempt's unit task run ended Crashed "AttemptDied" when the restart took
+    # over (it stayed Running forever), and no task run of the Completed flow run is left unfinished.
+    tasks = task_run_states(prefect_stack, run_id)
+    assert all(kind in ("COMPLETED", "CRASHED") for _, kind, _ in tasks), tasks
+    assert [name for name, kind, state in tasks if kind == "CRASHED"] == ["killed-unit-1"], tasks
+    assert [state for _, kind, state in tasks if kind == "CRASHED"] == ["AttemptDied"], tasks
+    # The summary says how long the run took across its attempts; Prefect's Duration leaves out the restart's gap.
+    summary = artifact(prefect_stack, "train-killed-summary").data
+    wall = re.search(r"wall time since the flow run first started: (\d+) s .*, over (\d+) attempts", summary)
+    took = (run.end_time - run.start_time).total_seconds()
+    assert wall and took - 5 <= int(wall[1]) <= took + 1 and int(wall[2]) == run.run_count, (summary, took)
+    assert run.total_run_time.total_seconds() < took - 2, (run.total_run_time, took)
 
 
 def test_run_that_keeps_dying_stops_at_max_restarts_as_failed(prefect_stack, tmp_path):
@@ -231,6 +245,18 @@ def test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_check
     assert saved["ep1-ba8-sa256"].manifest.writer.pid == victim != saved["ep2-ba16-sa512"].manifest.writer.pid
     assert json.loads((folder / "release.json").read_text())["run_name"] == name
     logs_containing(prefect_stack, run_id, "unit 1 (attempt 1): starting from checkpoint ep1-ba8-sa256 at epoch 1")
+    # the killed attempt's train subflow and its unit ended Crashed "AttemptDied"; nothing of the tick stays unfinished
+    with client(prefect_stack) as c:
+        children = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id]))
+        )
+    assert sorted((r.state.type.value, r.state.name) for r in children) == [
+        ("COMPLETED", "Completed"),
+        ("CRASHED", "AttemptDied"),
+    ], children
+    tasks = [t for r in (run_id, *(r.id for r in children)) for t in task_run_states(prefect_stack, r)]
+    assert all(kind in ("COMPLETED", "CRASHED") for _, kind, _ in tasks), tasks
+    assert f"{name}-unit-1" in [task for task, kind, state in tasks if (kind, state) == ("CRASHED", "AttemptDied")]
 
 
 def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another_worker(prefect_stack, tmp_path):

@@ -293,3 +293,26 @@ def test_a_second_ctrl_c_aborts_at_once_with_one_line(tmp_path, prefect_env):
     info = store.latest(deep=True)
     assert info.progress["step"] == step and store.check(info, deep=True) == []  # the step it left was not saved
     assert launch.leftovers() == []
+
+
+def test_a_sigterm_ends_the_cli_flow_run_cancelled_preempted_with_one_line_never_crashed(tmp_path, prefect_env):
+    """Prefect's engine shows a BaseException as a crash (two ERROR lines, "Crash detected!", Crashed): a polite
+    stop at the terminal must read as what it was."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    folder, record = str(tmp_path / "runs"), tmp_path / "ids"
+    run_name = f"polite-{os.getpid()}"
+    launch = Launch(command(folder, record, run_name), prefect_env, tmp_path / "stopped.log")
+    launch.wait_until(lambda: Path(folder, run_name, "latest").exists() and phase(record) == "step", "a step")
+
+    code, _ = launch.terminate()
+
+    out = launch.text()
+    assert code == EXIT_CODE, out[-3000:]
+    assert len(error_lines(out)) == 1 and "preempted by SIGTERM: stopped at step" in error_lines(out)[0], out[-3000:]
+    assert "Crash" not in out and " ERROR " not in out and "| ERROR" not in out, out[-3000:]
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
+    assert (run.state.type.value, run.state.name) == ("CANCELLED", "Preempted"), run.state
+    assert "stopped at step" in (run.state.message or "")
