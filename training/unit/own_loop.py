@@ -319,6 +319,16 @@ class LoopContext(RunContext):
     def _log_report(self, values: dict[str, float], progress: dict[str, int], committed: bool) -> None:
         if self._world.rank != 0:
             return
+        from training.unit.metrics_log import metrics_for  # TensorBoard, MLflow (rank 0), from this attempt's start
+
+        log = metrics_for(self._config, self._store, self._world)
+        if self._num_reports == 1:
+            log.start(self._start_step)
+        log.log(progress["step"], {f"report/{k}": v for k, v in values.items() if k != "checkpoint_seconds"})
+        if committed and self._last is not None:
+            log.checkpoint(progress["step"], self._last.name, self._last.uri)
+        if self.should_stop:
+            log.end(complete=True)
         text = ", ".join(f"{k} {v:.4g}" for k, v in values.items() if k != "checkpoint_seconds") or "no metrics"
         saved = "metrics only"
         if committed and self._last is not None:
