@@ -27,22 +27,25 @@ from training.unit.session import restore
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers" / "mindspore"
 CKPT = PEERS / "checkpoint" / "rank_0" / "tiny_rank_0-2_4.ckpt"  # one MindSpore run
-SAFETENSORS = PEERS / "checkpoint" / "rank_0" / "tiny_rank_0-2_4.safetensors"  # another (other dropout draws)
 NETWORK = PEERS / "checkpoint_network" / "rank_0" / "tiny_rank_0-2_4.ckpt"
 REF = safetensors.torch.load_file(PEERS.parent / "mindspore.reference.safetensors")
 NAMES = ["0.weight", "0.bias", "3.weight", "3.bias"]
-NEWEST, OLDER = "tiny_rank_0-10_4.ckpt", "tiny_rank_0-9_4.safetensors"  # by {epoch}_{step}; by text, 9 sorts last
+NEWEST, OLDER = "tiny_rank_0-10_4.ckpt", "tiny_rank_0-9_4.ckpt"  # by {epoch}_{step}; by text, 9 sorts last
+# An older file that loads to other weights: MindSpore's file with the bytes of its '3.bias' changed (no CRC in it)
+OLDER_BIAS = torch.tensor([1.0, 2.0, 3.0, 4.0])
+OLDER_BYTES = CKPT.read_bytes().replace(REF["ckpt/3.bias"].numpy().tobytes(), OLDER_BIAS.numpy().tobytes())
 
 
 def output_tree(root: Path, meta: dict | None = None, ranks: int = 2) -> Path:
-    """``root/output`` as a MindSpore Transformers run leaves it: per rank the newest file (the .ckpt run's) and an
-    older one (the safetensors run's), written newest first so that neither mtime nor text order picks the newest;
+    """``root/output`` as a MindSpore Transformers run leaves it: per rank the newest file (MindSpore's) and an
+    older one (``OLDER_BYTES``), written newest first so that neither mtime nor text order picks the newest;
     ``meta.json`` per rank (``meta`` for it, default: naming the newest); ``checkpoint_network/`` beside."""
+    assert OLDER_BYTES.count(OLDER_BIAS.numpy().tobytes()) == 1 and len(OLDER_BYTES) == CKPT.stat().st_size
     for rank in range(ranks):
         folder = root / "output" / "checkpoint" / f"rank_{rank}"
         folder.mkdir(parents=True)
         shutil.copy(CKPT, folder / NEWEST.replace("rank_0", f"rank_{rank}"))
-        shutil.copy(SAFETENSORS, folder / OLDER.replace("rank_0", f"rank_{rank}"))
+        (folder / OLDER.replace("rank_0", f"rank_{rank}")).write_bytes(OLDER_BYTES)
         name = NEWEST.replace("rank_0", f"rank_{rank}")
         record = meta if meta is not None else {"last_epoch": 10, "last_step": 4, "last_ckpt_file": name}
         (folder / "meta.json").write_text(json.dumps(record))
@@ -52,8 +55,12 @@ def output_tree(root: Path, meta: dict | None = None, ranks: int = 2) -> Path:
     return root / "output"
 
 
-def weights_of(fmt: str) -> dict[str, torch.Tensor]:
-    return {n: REF[f"{fmt}/{n}"] for n in NAMES}
+def newest_weights() -> dict[str, torch.Tensor]:
+    return {n: REF[f"ckpt/{n}"] for n in NAMES}
+
+
+def older_weights() -> dict[str, torch.Tensor]:
+    return {**newest_weights(), "3.bias": OLDER_BIAS}
 
 
 def loaded_weights(uri: str) -> dict[str, torch.Tensor]:
@@ -90,22 +97,22 @@ def test_the_path_our_yaml_error_suggests_loads_rank_0s_file_that_meta_json_name
 
 def test_meta_json_decides_even_when_it_names_an_older_file(tmp_path):
     out = output_tree(tmp_path, {"last_epoch": 9, "last_step": 4, "last_ckpt_file": OLDER})
-    assert same(loaded_weights(str(out / "checkpoint")), weights_of("safetensors"))
-    assert same(loaded_weights(str(out / "checkpoint" / "rank_0")), weights_of("safetensors"))
-    assert same(loaded_weights(str(out / "checkpoint") + "/"), weights_of("safetensors"))
+    assert same(loaded_weights(str(out / "checkpoint")), older_weights())
+    assert same(loaded_weights(str(out / "checkpoint" / "rank_0")), older_weights())
+    assert same(loaded_weights(str(out / "checkpoint") + "/"), older_weights())
 
 
 def test_a_rank_folder_reads_its_own_meta_json_and_checkpoint_network_its_newest_file(tmp_path, caplog):
     out = output_tree(tmp_path)
     rank_1 = out / "checkpoint" / "rank_1"
-    assert same(loaded_weights(str(rank_1)), weights_of("ckpt"))
+    assert same(loaded_weights(str(rank_1)), newest_weights())
     peer = read_peer_checkpoint(str(rank_1))
     assert peer.description.startswith(
         f"a MindSpore Transformers rank folder, the file its meta.json names ('{NEWEST.replace('rank_0', 'rank_1')}')"
     )
     with caplog.at_level(logging.WARNING):
         network = read_peer_checkpoint(str(out / "checkpoint_network"))
-    assert same(network.weights.state_dict, weights_of("ckpt")) and network.optimizer_state is None
+    assert same(network.weights.state_dict, newest_weights()) and network.optimizer_state is None
     assert "meta.json is missing; took the newest file by the {epoch}_{step} in its name instead" in caplog.text
 
 
@@ -143,14 +150,14 @@ OUTSIDE = "outside-9_4.ckpt"
 def test_a_damaged_or_hostile_meta_json_falls_back_to_the_newest_file_by_name(tmp_path, caplog, meta, problem):
     out = output_tree(tmp_path)
     (tmp_path / "outside").mkdir()
-    shutil.copy(SAFETENSORS, tmp_path / "outside" / OUTSIDE)
+    (tmp_path / "outside" / OUTSIDE).write_bytes(OLDER_BYTES)
     rank_0 = out / "checkpoint" / "rank_0"
     if meta is None:
         (rank_0 / "meta.json").unlink()
     else:
         (rank_0 / "meta.json").write_bytes(meta if isinstance(meta, bytes) else json.dumps(meta).encode())
     with caplog.at_level(logging.WARNING):
-        assert same(loaded_weights(str(out / "checkpoint")), weights_of("ckpt"))  # the newest by name, not meta's
+        assert same(loaded_weights(str(out / "checkpoint")), newest_weights())  # the newest by name, not meta's
     assert f"meta.json {problem}" in caplog.text
     assert f"took the newest file by the {{epoch}}_{{step}} in its name instead: '{NEWEST}'" in caplog.text
     assert "passwd" not in caplog.text and "outside" not in caplog.text  # its content is never quoted back
@@ -164,7 +171,7 @@ def test_meta_json_that_is_a_link_is_not_followed(tmp_path, caplog):
     (rank_0 / "meta.json").unlink()
     os.symlink(planted, rank_0 / "meta.json")
     with caplog.at_level(logging.WARNING):
-        assert same(loaded_weights(str(rank_0)), weights_of("ckpt"))
+        assert same(loaded_weights(str(rank_0)), newest_weights())
     assert "meta.json is a link, not followed" in caplog.text
 
 
@@ -172,13 +179,13 @@ def test_a_checkpoint_file_that_is_a_link_out_of_the_folder_is_never_chosen(tmp_
     out = output_tree(tmp_path)
     rank_0 = out / "checkpoint" / "rank_0"
     (tmp_path / "elsewhere").mkdir()
-    shutil.copy(SAFETENSORS, tmp_path / "elsewhere" / "x.safetensors")
-    os.symlink(tmp_path / "elsewhere" / "x.safetensors", rank_0 / "tiny_rank_0-99_4.safetensors")  # newest by name
+    (tmp_path / "elsewhere" / "x.ckpt").write_bytes(OLDER_BYTES)
+    os.symlink(tmp_path / "elsewhere" / "x.ckpt", rank_0 / "tiny_rank_0-99_4.ckpt")  # the newest by name
     (rank_0 / "meta.json").write_text(
-        json.dumps({"last_epoch": 99, "last_step": 4, "last_ckpt_file": "tiny_rank_0-99_4.safetensors"})
+        json.dumps({"last_epoch": 99, "last_step": 4, "last_ckpt_file": "tiny_rank_0-99_4.ckpt"})
     )
     with caplog.at_level(logging.WARNING):
-        assert same(loaded_weights(str(rank_0)), weights_of("ckpt"))
+        assert same(loaded_weights(str(rank_0)), newest_weights())
     assert "left out 1 checkpoint file name(s) that are links" in caplog.text
     assert "meta.json names a file that is not one of this folder's checkpoint files" in caplog.text
 
@@ -258,7 +265,7 @@ def test_an_object_store_copy_of_the_output_reads_the_same(tmp_path):
             fs.pipe(f"/ms-{tmp_path.name}/{path.relative_to(tmp_path)}", path.read_bytes())
     try:
         uri = f"memory://ms-{tmp_path.name}/output/checkpoint"
-        assert same(loaded_weights(uri), weights_of("safetensors"))  # meta.json's choice, read from the store
-        assert same(loaded_weights(uri.replace("checkpoint", "checkpoint_network")), weights_of("ckpt"))
+        assert same(loaded_weights(uri), older_weights())  # meta.json's choice, read from the store
+        assert same(loaded_weights(uri.replace("checkpoint", "checkpoint_network")), newest_weights())
     finally:
         fs.rm(f"/ms-{tmp_path.name}", recursive=True)
