@@ -269,3 +269,19 @@ def test_an_object_store_copy_of_the_output_reads_the_same(tmp_path):
         assert same(loaded_weights(uri.replace("checkpoint", "checkpoint_network")), newest_weights())
     finally:
         fs.rm(f"/ms-{tmp_path.name}", recursive=True)
+
+
+def test_a_deployment_runs_confined_read_takes_meta_json_and_never_a_link(tmp_path, caplog):
+    from checkpointing.io import confine
+
+    out = output_tree(tmp_path, {"last_epoch": 9, "last_step": 4, "last_ckpt_file": OLDER})
+    with confine.confined([str(tmp_path)]):
+        assert same(loaded_weights(str(out / "checkpoint")), older_weights())
+        rank_1 = out / "checkpoint" / "rank_1"
+        planted = tmp_path / "planted.json"
+        planted.write_text((rank_1 / "meta.json").read_text())
+        (rank_1 / "meta.json").unlink()
+        os.symlink(planted, rank_1 / "meta.json")
+        with caplog.at_level(logging.WARNING):
+            assert same(loaded_weights(str(rank_1)), newest_weights())
+    assert "meta.json is a link, not followed" in caplog.text
