@@ -76,3 +76,64 @@ class SlowRayPortRecipe(RayPortRecipe):
 
         time.sleep(self.epoch_seconds)
         return super().train_epoch(model, criterion, optimizer, X, Y)
+
+
+class RankZeroReportRecipe:
+    """Ray's habit that this product cannot honour: DDP training, ``ctx.report`` under ``if ctx.rank == 0``. Rank 1
+    goes on to its next step (a collective) while rank 0 waits at its report."""
+
+    def __init__(self, timeout: float = 5.0, epochs: int = 50):
+        self.timeout, self.epochs = timeout, epochs
+
+    def train_loop(self, ctx: LoopContext) -> None:
+        import torch
+        from torch import nn
+
+        ctx.report_timeout_seconds = self.timeout
+        model = nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapped = ctx.prepare_model(model)
+        for epoch in range(self.epochs):
+            loss = nn.functional.mse_loss(wrapped(torch.randn(8, 4)), torch.randn(8, 1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if ctx.rank == 0:
+                ctx.report({"loss": float(loss)}, state={"model": model.state_dict()}, epoch=epoch + 1)
+
+
+class RankNoiseRecipe:
+    """Each rank draws its own randomness: the global torch RNG seeded by rank (its inputs) and a generator of its
+    own kept in ``rank_state`` (its targets); DDP averages the gradients. No hand-written gather anywhere."""
+
+    def __init__(self, epoch_seconds: float = 0.1):
+        self.epoch_seconds = epoch_seconds
+
+    def train_loop(self, ctx: LoopContext) -> None:
+        import time
+
+        import torch
+        from torch import nn
+
+        torch.manual_seed(ctx.seed + 100 * ctx.rank)
+        targets = torch.Generator().manual_seed(1000 + ctx.rank)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        epoch = 0
+        checkpoint = ctx.get_checkpoint()  # this rank's RNG as it was at its last report, and its rank_state
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            targets.set_state(checkpoint["targets"])
+            epoch = checkpoint["epoch"]
+        wrapped = ctx.prepare_model(model)
+        while not ctx.should_stop:
+            time.sleep(self.epoch_seconds)
+            x, y = torch.randn(16, 4), torch.randn(16, 1, generator=targets)
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            epoch += 1
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+            ctx.report({"loss": float(loss)}, state=state, rank_state={"targets": targets.get_state()}, epoch=epoch)

@@ -148,11 +148,55 @@ def test_a_metrics_only_report_commits_nothing_and_the_loop_must_end_on_a_state(
     config = loop_config(max_duration="2ba")
     ctx = open_context(config)
     ctx.report({"loss": 0.5}, state=state_at(1))
-    ctx.report({"loss": 0.4})  # step 2 reaches max_duration, but without a state
+    ctx.report({"loss": 0.4}, step=2)  # step 2 reaches max_duration, but without a state
     assert ctx.should_stop
     assert [i.name for i in CheckpointStore(config.save_folder, config.run_name).list()] == ["ep0-ba1-sa0"]
     with pytest.raises(LoopEndedEarlyError, match="its newest report with a state"):
         ctx.finish()
+
+
+def test_metrics_only_reports_leave_the_step_where_it_is(loop_config):
+    config = loop_config(max_duration="2ba")
+    ctx = open_context(config)
+    ctx.report({"loss": 0.5}, state=state_at(1))
+    for _ in range(3):
+        ctx.report({"val_loss": 0.7})  # per-epoch metrics: no training the step counter could tell
+    assert ctx.result(steps=0).progress["step"] == 1 and not ctx.should_stop
+    ctx.report({"loss": 0.3}, state=state_at(2))
+    assert ctx.should_stop
+    names = [i.name for i in CheckpointStore(config.save_folder, config.run_name).list()]
+    assert names == ["ep0-ba1-sa0", "ep0-ba2-sa0"]
+    assert ctx.finish().progress["step"] == 2
+
+
+def test_each_report_keeps_the_rank_s_rng_and_rank_state_and_get_checkpoint_gives_them_back(loop_config):
+    import numpy as np
+
+    config = loop_config(max_duration="1ba")
+    ctx = open_context(config)
+    torch.manual_seed(11)
+    np.random.seed(12)
+    ctx.report({"loss": 0.5}, state={"w": torch.ones(2)}, rank_state={"mine": torch.arange(3), "w": torch.zeros(2)})
+    expected = (torch.rand(4), np.random.rand(4))
+    torch.manual_seed(99)
+    np.random.seed(99)
+
+    got = open_context(config, attempt=2).get_checkpoint()
+    assert got is not None and torch.equal(got["mine"], torch.arange(3))
+    assert torch.equal(got["w"], torch.zeros(2))  # a rank's own keys are merged over the shared state's
+    assert torch.equal(torch.rand(4), expected[0]) and np.array_equal(np.random.rand(4), expected[1])
+
+    torch.manual_seed(99)
+    open_context(config, attempt=3).get_checkpoint(restore_rng=False)
+    assert not torch.equal(torch.rand(4), expected[0])
+
+
+def test_rank_state_without_a_state_is_refused_and_must_load_without_code(loop_config):
+    ctx = open_context(loop_config())
+    with pytest.raises(ReportError, match=r"rank_state=\.\.\.\) on a metrics-only report"):
+        ctx.report({"loss": 0.5}, rank_state={"x": 1})
+    with pytest.raises(ReportError, match=r"rank_state\['fn'\] is a lambda"):
+        ctx.report({"loss": 0.5}, state={"x": 1}, rank_state={"fn": lambda: 0})
 
 
 def test_a_report_past_max_duration_is_committed_and_warned_about(loop_config, caplog):

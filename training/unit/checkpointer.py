@@ -141,13 +141,30 @@ class Checkpointer:
             self.snapshots = None
 
     def save_report(
-        self, state: Mapping[str, Any], progress: dict[str, int], metrics: Mapping[str, float], report: int
+        self,
+        state: Mapping[str, Any],
+        progress: dict[str, int],
+        metrics: Mapping[str, float],
+        report: int,
+        rank_state: Mapping[str, Any] | None = None,
     ) -> Saved:
         """A ``train_loop`` report's ``state`` (rank 0's, when several train) at ``progress``: report number ``report``
-        of the run. Every rank calls it."""
+        of the run, with every rank's RNG state and ``rank_state`` (if it gave one) in files of their own in the same
+        checkpoint, as a unit's RNG states are. Every rank calls it."""
         full = {**progress, "global_batch_size": self.config.global_batch_size}
         metadata = {**self.metadata(metrics), "train_loop": True, "report": report}
-        return self._commit(full, lambda: {STATE_FILE: {"state": dict(state), "progress": full}}, metadata)
+        own = {"rng": rng.capture(), "state": None if rank_state is None else dict(rank_state)}
+        everyone = ranks.gather_to_rank0(own)  # on rank 0; elsewhere empty, and only rank 0 snapshots
+
+        def snapshot() -> dict[str, Any]:
+            objects: dict[str, Any] = {STATE_FILE: {"state": dict(state), "progress": full}}
+            for r, theirs in enumerate(everyone):
+                objects[rng_file(r)] = theirs["rng"]
+                if theirs["state"] is not None:
+                    objects[rank_state_file(r)] = {"state": theirs["state"]}
+            return objects
+
+        return self._commit(full, snapshot, metadata)
 
     def metadata(self, metrics: Mapping[str, float], s: Session | None = None) -> dict[str, Any]:
         """What a checkpoint's manifest says of the run (``check_same_run`` reads it) besides the progress."""
@@ -259,6 +276,11 @@ class Checkpointer:
         extra = {**s.state.state_dict(SMALL), "progress": s.progress.as_dict()}
         pending = fsdp.save_sharded(terms, s.model, s.optimizer, extra, rng.capture())
         return Saved(pending, time.perf_counter() - t0)
+
+
+def rank_state_file(rank: int) -> str:
+    """The file of a ``train_loop`` report that holds rank ``rank``'s ``rank_state``."""
+    return f"rank-state-rank{rank}.pt"
 
 
 def open_pipeline(store: CheckpointStore, rank: int, config: TrainConfig) -> SnapshotPipeline:

@@ -8,12 +8,15 @@ fencing, retention, a background upload where enabled); one without is a metrics
 in the UI, nothing committed).
 
 Several processes (``nproc_per_node``/``nnodes`` > 1): every rank runs the loop under torchrun (the gang of
-training/distributed/gang.py); ``ctx.rank``/``ctx.world_size`` say where it runs, ``ctx.get_checkpoint()`` returns the same
-state on every rank, and ``ctx.report(...)`` is called by every rank at the same point: rank 0's ``state`` and
-metrics are committed (as Ray keeps rank 0's checkpoint), every rank gets the result. ``ctx.prepare_model`` wraps
+training/distributed/gang.py); ``ctx.rank``/``ctx.world_size`` say where it runs, and ``ctx.report(...)`` is called by
+every rank at the same point: rank 0's ``state`` and metrics are committed, and with them every rank's RNG state and
+``rank_state`` in files of its own (Ray merges every rank's files into one checkpoint); ``ctx.get_checkpoint()`` gives
+each rank the shared state with its own ``rank_state`` merged in, and puts its RNGs back. ``ctx.prepare_model`` wraps
 a model for DDP and ``ctx.sampler`` gives each rank its exact share of every global batch, resumable at a sample
-and across world-size changes (``ResumableBatchSampler``). ``ctx.should_stop`` and ``ctx.should_checkpoint`` are
-collectives then: read them at the same point on every rank.
+and across world-size changes (``ResumableBatchSampler``). ``report``, ``get_checkpoint``, ``should_checkpoint`` and
+the loop's return are meeting points (training/unit/rank_meetings.py): a rank waits for the others through the process group's store, not
+in a collective, so a call made on some ranks only (``if ctx.rank == 0: ctx.report(...)``, Ray's habit) is a
+ReportError within ``report_timeout_seconds``, never a hang, and a stop request ends the wait.
 
 ``max_duration`` is measured on the counters the loop reports (``epoch``, ``step``, ``samples_seen``; ``step``
 defaults to the previous report's + 1). The run is complete once a report with a state reaches it:
@@ -51,17 +54,19 @@ from training.recipe.loader import load_recipe
 from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint, read_weights
 from training.unit import rng
-from training.unit.checkpointer import Checkpointer
+from training.unit.checkpointer import Checkpointer, rank_state_file
 from training.unit.host_memory import newest_snapshot
 from training.unit.loop import InjectedFault, UnitResult
+from training.unit.rank_meetings import RankMeetings
 from training.unit.reported_state import ReportError, check_loadable, check_metrics
-from training.unit.session import SINGLE_PROCESS, World, open_store, pick_device
+from training.unit.session import SINGLE_PROCESS, World, open_store, pick_device, rng_file
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("epoch", "step", "samples_seen")
 OnReport = Callable[[UnitResult], None]
+REPORT_TIMEOUT_SECONDS = 30.0  # how long a rank waits at a report for the others (ctx.report_timeout_seconds)
 
 
 class LoopContext(RunContext):
@@ -72,6 +77,7 @@ class LoopContext(RunContext):
     use ``ctx.total_steps`` with an '<n>ep' duration)."""
 
     attempt: int
+    report_timeout_seconds: float = REPORT_TIMEOUT_SECONDS
 
     def __init__(
         self,
@@ -107,86 +113,125 @@ class LoopContext(RunContext):
         self._last_metrics: dict[str, float] = {}
         self._num_reports = 0  # by this attempt
         self._warned_past_end = False
+        self._meetings = RankMeetings(world)  # report, get_checkpoint, should_checkpoint: all ranks or an error
 
     # -- the user's verbs -------------------------------------------------------------------------
-    def get_checkpoint(self) -> dict[str, Any] | None:
-        """The ``state`` of the run's newest good report (loaded with ``weights_only=True``), or None when the run
-        has none yet; the same on every rank. Call it at the top of ``train_loop``: a retry or a relaunch continues
-        from what it returns."""
+    def get_checkpoint(self, *, restore_rng: bool = True) -> dict[str, Any] | None:
+        """The ``state`` of the run's newest good report (loaded with ``weights_only=True``), with this rank's
+        ``rank_state`` of that report merged over it, or None when the run has none yet. With ``restore_rng`` (the
+        default) this rank's torch, NumPy and Python RNGs are put back as they were at its report: build what draws
+        random numbers at start-up before calling it. Call it at the top of ``train_loop``, on every rank: a retry or
+        a relaunch continues from what it returns."""
         self._asked = True
+        self._meet("ctx.get_checkpoint()")
         self._committer.wait_quietly()
+        mine = [STATE_FILE, rng_file(self._world.rank), rank_state_file(self._world.rank)]
         in_memory = newest_snapshot(self._config, self._store, self._world.rank, self._world.size)
         if in_memory is not None:  # a report newer than the store's, in this machine's memory (a hard kill's relaunch)
-            return self._resume(in_memory.info, in_memory.objects.get(STATE_FILE), from_memory=True)
+            return self._resume(in_memory.info, in_memory.objects, restore_rng, from_memory=True)
         candidates = self._store.candidates() if self._world.rank == 0 else iter(())
         while (info := ranks.on_rank0(lambda: next(candidates, None))) is not None:
             try:
-                loaded = ranks.on_every_rank(lambda: self._store.load(info, [STATE_FILE]))
+                loaded = ranks.on_every_rank(lambda: self._store.load(info, mine))
             except CorruptCheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s", info.name, exc)
                 continue
-            return self._resume(info, loaded.objects.get(STATE_FILE))
+            return self._resume(info, loaded.objects, restore_rng)
         self._at = self._resumed_from = None
         self._progress = self._committed = self._recorded(None)
         return ranks.on_every_rank(lambda: load_path_state(self._config)) if self._config.load_path else None
 
-    def _resume(self, info: CheckpointInfo, state: Any, from_memory: bool = False) -> dict[str, Any]:
+    def _resume(
+        self, info: CheckpointInfo, objects: Mapping[str, Any], restore_rng: bool, from_memory: bool = False
+    ) -> dict[str, Any]:
         check_same_run(self._config, info)
+        state, rank = objects.get(STATE_FILE), self._world.rank
         if not isinstance(state, dict) or "state" not in state:
             raise ConfigError(f"{info.uri} was not written by ctx.report (no 'state'); use a new run_name")
         self._at = self._resumed_from = info
         self._progress = self._committed = self._recorded(info)
         self._from_memory = from_memory
-        return state["state"]
+        saved_size = info.manifest.metadata.get("world_size")
+        if rank == 0 and isinstance(saved_size, int) and saved_size != self._world.size:
+            self._log_world_change(info.name, saved_size)
+        if restore_rng:
+            if objects.get(rng_file(rank)) is not None:
+                rng.restore(objects[rng_file(rank)])
+            else:
+                logger.info(
+                    "rank %d: %s has no RNG state for this rank (saved with world size %s); the RNG stays as "
+                    "train_loop left it",
+                    rank,
+                    info.name,
+                    saved_size,
+                )
+        own = objects.get(rank_state_file(rank))
+        return {**state["state"], **own["state"]} if isinstance(own, dict) else state["state"]
 
     def report(
         self,
         metrics: Mapping[str, Any],
         state: Mapping[str, Any] | None = None,
         *,
+        rank_state: Mapping[str, Any] | None = None,
         step: int | None = None,
         epoch: int | None = None,
         samples_seen: int | None = None,
     ) -> None:
         """Reports ``metrics``; with ``state`` (tensors and plain containers: ``model.state_dict()``,
-        ``optimizer.state_dict()``, counters, a sampler position) also commits it as the run's newest checkpoint.
+        ``optimizer.state_dict()``, counters, a sampler position) also commits it as the run's newest checkpoint,
+        together with every rank's RNG state and ``rank_state`` (what differs between ranks: each rank's own, which
+        ``get_checkpoint()`` merges over ``state`` on that rank only, as Ray merges every rank's files).
 
         ``epoch`` (completed epochs), ``step`` and ``samples_seen`` are the run's progress counters; each one left
-        out keeps the previous report's value, except ``step``, which then counts reports. ``max_duration`` is
-        checked against them (``should_stop``). Every rank calls it when several train. Raises ReportError for a
-        state that would need code to load, and ``Preempted`` after committing when a stop was requested."""
+        out keeps the previous report's value, except ``step`` of a report with a state, which then is the previous
+        one's + 1 (a metrics-only report leaves it where it is). ``max_duration`` is checked against them
+        (``should_stop``). When several processes train, every rank calls it at the same point; rank 0's ``state``,
+        counters and metrics are the ones committed (``state=None`` elsewhere is fine, as in Ray); a call missing on
+        some rank is a ReportError on every rank within ``report_timeout_seconds``. Raises ReportError for a state
+        that would need code to load, and ``Preempted`` after committing when a stop was requested."""
         values = check_metrics(metrics)
+        self._meet("ctx.report()")
         previous_step = self._progress["step"]
-        progress = self._next_progress({"epoch": epoch, "step": step, "samples_seen": samples_seen})
-        progress, values = ranks.on_rank0(lambda: (progress, values))  # rank 0's counters and metrics count
+        progress = self._next_progress({"epoch": epoch, "step": step, "samples_seen": samples_seen}, state is not None)
+        # rank 0's counters and metrics count, and its state decides whether the report commits
+        progress, values, commits = ranks.on_rank0(lambda: (progress, values, state is not None))
         self._warn_if_unusual(progress)
         stop = preemption.agreed_stop(self._world.size)
         seconds: float | None = None
-        if state is not None:
-            ranks.on_rank0(lambda: check_loadable(state))  # rank 0's state is the one committed
-            saved = self._checkpointer.save_report(state, progress, values, self._report_index + 1)
+        if commits:
+            ranks.on_every_rank(lambda: self._check_states(state, rank_state))
+            saved = self._checkpointer.save_report(
+                state or {}, progress, values, self._report_index + 1, rank_state=rank_state
+            )
             seconds = values["checkpoint_seconds"] = saved.seconds
             self._last, self._committed = saved.pending, dict(progress)
+        else:
+            ranks.on_every_rank(lambda: _no_rank_state(rank_state))
         self._progress, self._last_metrics, self._num_reports = progress, values, self._num_reports + 1
-        self._log_report(values, progress, state is not None)
+        self._log_report(values, progress, commits)
         self._tell_flow(self.result(steps=progress["step"] - previous_step))
         if stop is not None:
             name = self._last.name if self._last else (self._at.name if self._at else None)
-            raise Preempted(
-                stop, name, progress["step"], seconds, "" if state is not None else "(a metrics-only report)"
-            )
+            raise Preempted(stop, name, progress["step"], seconds, "" if commits else "(a metrics-only report)")
         if self._config.inject_fault_at_step == progress["step"] and self.attempt == 1:
             raise InjectedFault(f"injected fault after the report at step {progress['step']} (attempt 1)")
 
     @property
     def should_stop(self) -> bool:
-        """True once a report (this attempt's or the one resumed from) reached ``max_duration``."""
+        """True once a report (this attempt's or the one resumed from) reached ``max_duration``. Not a collective:
+        the counters it reads are agreed at each report, so every rank gives the same answer, read anywhere. Raises
+        the ReportError of another rank that gave up waiting for this one at a report (``report_timeout_seconds``)."""
+        if (failure := self._meetings.failure()) is not None:
+            raise failure
         return is_complete(Progress.from_dict(self._progress), self.max_duration)
 
     @property
     def should_checkpoint(self) -> bool:
         """True when the run was asked to stop (a termination signal, or a newer attempt taking over): report
-        your state now. A collective when several processes train: read it at the same point on every rank."""
+        your state now. A collective when several processes train: read it at the same point on every rank (a read
+        missing on some rank is a ReportError on every rank within ``report_timeout_seconds``)."""
+        self._meet("ctx.should_checkpoint")
         return preemption.agreed_stop(self._world.size) is not None
 
     @property
@@ -223,6 +268,7 @@ class LoopContext(RunContext):
     # -- the product's side -------------------------------------------------------------------------
     def finish(self) -> UnitResult:
         """After ``train_loop`` returned: waits for the last upload, then checks that the run is complete."""
+        self._meet("the end of train_loop")
         self._committer.wait()  # the run is done only when its last checkpoint is committed (errors are retried)
         p = self._committed
         if not is_complete(Progress.from_dict(p), self.max_duration):
@@ -282,10 +328,10 @@ class LoopContext(RunContext):
     def _start_step(self) -> int:
         return int(self._resumed_from.progress.get("step", 0)) if self._resumed_from else 0
 
-    def _next_progress(self, given: dict[str, int | None]) -> dict[str, int]:
+    def _next_progress(self, given: dict[str, int | None], with_state: bool) -> dict[str, int]:
         previous = self._progress
         progress = {k: previous[k] if v is None else v for k, v in given.items()}
-        if given["step"] is None:
+        if given["step"] is None and with_state:  # a metrics-only report trained nothing the counters could tell
             progress["step"] = previous["step"] + 1
         for name, value in progress.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -296,6 +342,16 @@ class LoopContext(RunContext):
                     f"never go back. Call ctx.get_checkpoint() at the top of train_loop and continue from its state"
                 )
         return progress
+
+    def _check_states(self, state: Mapping[str, Any] | None, rank_state: Mapping[str, Any] | None) -> None:
+        if self._world.rank == 0:
+            check_loadable(state)  # rank 0's state is the one committed
+        if rank_state is not None:
+            check_loadable(rank_state, "rank_state")
+
+    def _meet(self, point: str) -> None:
+        newest = self._last.name if self._last else (self._at.name if self._at else None)
+        self._meetings.meet(point, self.report_timeout_seconds, newest, self._progress["step"])
 
     def _warn_if_unusual(self, progress: dict[str, int]) -> None:
         if self._at is not None and not self._asked and self._num_reports == 0:
@@ -347,6 +403,25 @@ class LoopContext(RunContext):
             progress["samples_seen"],
         )
 
+    def _log_world_change(self, name: str, saved: int) -> None:
+        """One line, as a unit's changed global batch size gets one (training/unit/session.py, ``reposition``)."""
+        size = self._world.size
+        rest = (
+            f"{_span(saved, size - 1)} start{'s' if size - saved == 1 else ''} without a rank_state or RNG state "
+            f"of {'its' if size - saved == 1 else 'their'} own"
+            if size > saved
+            else f"the rank_state and RNG state of {_span(size, saved - 1)} are not resumed"
+        )
+        logger.info(
+            "world size changed %d -> %d: %s resumes on every rank; %s; ctx.sampler splits each global batch over "
+            "%d process(es) (nothing repeated or dropped)",
+            saved,
+            size,
+            name,
+            rest,
+            size,
+        )
+
     def _tell_flow(self, result: UnitResult) -> None:
         if self._on_report is None:
             return
@@ -354,6 +429,18 @@ class LoopContext(RunContext):
             self._on_report(result)
         except Exception as exc:  # the UI is a report of the checkpoints, never a reason to stop training
             logger.warning("report hook failed (%s: %s); training goes on", type(exc).__name__, exc)
+
+
+def _span(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}..{last}"
+
+
+def _no_rank_state(rank_state: Mapping[str, Any] | None) -> None:
+    if rank_state is not None:
+        raise ReportError(
+            "ctx.report(rank_state=...) on a metrics-only report: rank_state is committed with a state, and rank 0's "
+            "state= decides whether a report commits one"
+        )
 
 
 def load_path_state(config: TrainConfig) -> dict[str, Any]:
@@ -406,11 +493,13 @@ def run_own_loop(
         recipe.train_loop(ctx)
         return ctx.finish()
     except BaseException as exc:
-        misfit = state_misfit(config, exc)
+        instead: Exception | None = state_misfit(config, exc)
+        if instead is None and world.size > 1 and isinstance(exc, RuntimeError):
+            instead = ctx._meetings.failure()  # the loop's own collective broke: a rank gave up waiting for this one
         # A retry runs in this process: the failed loop's locals (model, optimizer, batches) must not outlive it.
         traceback.clear_frames(exc.__traceback__)
-        if misfit is not None:
-            raise misfit from exc
+        if instead is not None:
+            raise instead from exc
         raise
     finally:
         recipe.ctx = None

@@ -25,15 +25,15 @@ _PLAIN = (bool, int, float, str, bytes, type(None))
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def check_loadable(state: Any) -> None:
+def check_loadable(state: Any, name: str = "state") -> None:
     """ReportError unless ``torch.load(weights_only=True)`` can load ``state`` back: tensors and plain containers.
     Known-safe parts are walked (cheap); anything else is saved and loaded back on its own, and named if refused."""
     if not isinstance(state, Mapping):
         raise ReportError(
-            f"ctx.report(state=...): give a dict (e.g. {{'model': model.state_dict()}}), not {_kind(state)}"
+            f"ctx.report({name}=...): give a dict (e.g. {{'model': model.state_dict()}}), not {_kind(state)}"
         )
     unknown: list[tuple[str, Any]] = []
-    _walk(state, "state", unknown, set())
+    _walk(state, name, unknown, set())
     for path, obj in unknown:
         problem = _round_trip_problem(obj)
         if problem:
