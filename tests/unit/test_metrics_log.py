@@ -4,6 +4,7 @@ that is down never failing training, and bad options refused in one line."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pty
@@ -161,3 +162,26 @@ def test_a_confined_run_writes_no_event_files_outside_the_allowed_roots(make_con
     assert result.progress["step"] == 8
     assert not (tmp_path / "elsewhere").exists()
     assert [r.getMessage() for r in caplog.records if "TensorBoard metrics are off" in r.getMessage()]
+
+
+def test_mlflow_params_are_the_config_without_credentials(make_config):
+    from training.unit.mlflow_log import params_of
+
+    config = make_config(
+        storage_options={"key": "AKIA-not-a-param", "secret": "s3cr3t"},
+        recipe_args={"num_samples": 256, "api_key": "sk-not-a-param"},
+    )
+    params = params_of(config)
+    assert params["max_duration"] == "3ep" and params["run_name"] == "r"
+    assert json.loads(params["recipe_args"]) == {"num_samples": 256}
+    assert "storage_options" not in params
+    assert not [v for v in params.values() if "not-a-param" in v or "s3cr3t" in v]
+
+
+def test_writers_of_many_runs_in_one_process_stay_few(make_config, tmp_path):
+    for name in ("a", "b", "c", "d"):
+        run_unit(make_config(run_name=name, max_duration="1ep"))
+    assert len(metrics_log._LOGS) == metrics_log.KEEP_OPEN
+    metrics_log.close_all()
+    for name in ("a", "b", "c", "d"):
+        assert_one_curve(scalars(tmp_path / "runs" / name / "tb"), 8)

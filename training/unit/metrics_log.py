@@ -86,6 +86,7 @@ class _Off:
 
 OFF = _Off()
 _LOGS: dict[str, MetricsLog] = {}  # per run (store URI) in this process: the writer outlives units
+KEEP_OPEN = 2  # runs whose writers stay open in one process (each holds a file and a writer thread)
 _TOLD: set[str] = set()  # folders whose location was logged once
 
 
@@ -93,11 +94,14 @@ def metrics_for(config: TrainConfig, store: CheckpointStore, world: World = SING
     """The run's metrics log in this process (rank 0), or a no-op."""
     if world.rank != 0:
         return OFF
-    log = _LOGS.get(store.uri)
+    log = _LOGS.pop(store.uri, None)
     if log is None or log.config != config:
         if log is not None:
             log.close()
-        log = _LOGS[store.uri] = MetricsLog(config, store)
+        log = MetricsLog(config, store)
+    while len(_LOGS) >= KEEP_OPEN:  # the oldest run's writer is closed (it reopens, purging correctly, if needed)
+        _LOGS.pop(next(iter(_LOGS))).close()
+    _LOGS[store.uri] = log  # newest last
     return log
 
 
