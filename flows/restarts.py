@@ -74,9 +74,10 @@ def leave(stop: Preempted) -> BaseException:
     - Prefect asked to cancel it (its runner sends SIGTERM): cancelled, after the checkpoint;
     - a termination signal in a deployment run: rescheduled now (``Preempted``, a Scheduled state), so that a worker
       picks it up again without waiting for a crash to be noticed, and never shown as Failed;
-    - anything else (a run outside a deployment, or taken over by another run): Cancelled, named ``Preempted`` (or
-      ``Superseded``), never Crashed; ``train()``'s caller still gets the ``Preempted`` (flows/train.py; the CLI
-      exits 143, 130 for Ctrl-C)."""
+    - a run outside a deployment: Cancelled, named ``Preempted`` (``Superseded`` when another run took it over),
+      never Crashed; ``train()``'s caller still gets the ``Preempted`` (flows/train.py; the CLI exits 143, 130 for
+      Ctrl-C);
+    - a deployment run taken over by another flow run: ``Preempted`` itself (the engine ends it Crashed)."""
     logger.warning("%s%s", stop.describe(), "; the restart will resume from it" if stop.checkpoint else "")
     if STOP.ignored:
         ignored = ", ".join(STOP.ignored)
@@ -84,7 +85,7 @@ def leave(stop: Preempted) -> BaseException:
     if stop.stop.kind == "handover":
         if flow_run.id and (stop.stop.by or {}).get("owner") == flow_run.id:
             return _abort_keeping_state("a newer attempt of this flow run took it over; this one leaves")
-        return _end_stopped(stop)
+        return stop if is_deployment_run() else _end_stopped(stop)  # a deployment run: as before (Crashed)
     if _cancel_requested():
         return TerminationSignal(signal.SIGTERM)
     if is_deployment_run():
