@@ -122,6 +122,7 @@ class MetricsLog:
         self._last_step: int | None = None  # the newest step logged by this process's writer
         self._mlflow = MlflowRun(config, store) if mlflow_wanted(config) else None
         self._bar: _Bar | None = None
+        self._bar_on = True
 
     # -- the four verbs ----------------------------------------------------------------------------
     def start(self, step: int, total_steps: int | None = None) -> None:
@@ -131,8 +132,12 @@ class MetricsLog:
         self._last_step = step
         if self._mlflow is not None:
             self._mlflow.start(step)
-        if wants_progress_bar(self.config) and total_steps:
-            self._bar = _Bar(step, total_steps)
+        if self._bar_on and wants_progress_bar(self.config) and total_steps:
+            try:
+                self._bar = _Bar(step, total_steps)
+            except Exception as exc:  # rich missing (a bare image installed with --no-deps), a strange terminal
+                self._bar_on = False
+                logger.warning("the progress bar is off for this process: %s: %s", type(exc).__name__, exc)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Scalars at ``step`` (tags such as ``train/loss``, ``eval/accuracy``)."""
