@@ -183,3 +183,14 @@ def test_the_progress_bar_draws_on_a_terminal_and_not_in_a_pipe(tmp_path):
     assert "run pipe complete" in in_pipe and not re.search(r"step\s+\d+/24", in_pipe), in_pipe[-3000:]
     switched_off = run_with_output(cmd("off", "--progress_bar", "false"), tty=True)
     assert "run off complete" in switched_off and not re.search(r"step\s+\d+/24", switched_off)
+
+
+def test_two_processes_write_one_curve_from_rank_0_only(make_config, train_run, tmp_path):
+    from training.unit import metrics_log
+
+    train_run(make_config(max_duration="2ep", nproc_per_node=2))
+    metrics_log.close_all()
+    tb = tmp_path / "runs" / "r" / "tb"
+    writers = {path.name.rsplit(".", 2)[1] for path in tb.glob("events.out.tfevents.*")}  # ...<host>.<pid>.<n>
+    assert len(writers) == 1, writers
+    assert [s for s, _ in scalars(tb)] == list(range(1, 17))
