@@ -185,3 +185,17 @@ def test_writers_of_many_runs_in_one_process_stay_few(make_config, tmp_path):
     metrics_log.close_all()
     for name in ("a", "b", "c", "d"):
         assert_one_curve(scalars(tmp_path / "runs" / name / "tb"), 8)
+
+
+def test_a_new_event_file_sorts_after_the_newest_one_of_the_same_second(make_config, tmp_path):
+    import time
+
+    from training.unit.session import open_store
+
+    config = make_config()
+    folder = tmp_path / "runs" / "r" / "tb"
+    folder.mkdir(parents=True)
+    newest = f"events.out.tfevents.{int(time.time()):010d}.zz-a-host-named-late.99999.99"
+    (folder / newest).write_bytes(b"")
+    metrics_log.metrics_for(config, open_store(config)).start(8)
+    assert sorted(p.name for p in folder.glob("events.out.tfevents.*"))[-1] != newest  # readers take it last

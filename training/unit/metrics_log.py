@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any, Protocol, TextIO
 
@@ -192,6 +193,7 @@ class MetricsLog:
             return
         if confine.local_roots() is not None:  # a deployment run: only under the worker's roots, through no link
             confine.check(folder, f"TensorBoard folder {folder!r}")
+        _wait_for_a_later_second(folder)
         # purge_step: readers drop what earlier files hold past the step resumed at (a killed attempt's steps)
         self._writer = SummaryWriter(log_dir=folder, purge_step=step + 1, flush_secs=30)
         if folder not in _TOLD:
@@ -204,6 +206,22 @@ class MetricsLog:
         except Exception as exc:  # a metric never fails training: warned once, TensorBoard is off from here on
             logger.warning("TensorBoard metrics are off for the rest of this process: %s: %s", type(exc).__name__, exc)
             self._tb_on, self._writer = False, None
+
+
+def _wait_for_a_later_second(folder: str) -> None:
+    """Readers take event files in name order, and a name starts with its whole second: a file opened in the same
+    second as the folder's newest (a quick retry) could sort before it, its purge read too early. Waits (at most a
+    second, and only then) until the clock has passed the newest file's second."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    seconds = [
+        int(n.split(".")[3]) for n in names if n.startswith("events.out.tfevents.") and n.split(".")[3].isdigit()
+    ]
+    newest, deadline = max(seconds, default=0), time.monotonic() + 1.5
+    while int(time.time()) <= newest and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 class _Bar:
