@@ -67,13 +67,17 @@ logger = logging.getLogger(__name__)
 COUNTERS = ("epoch", "step", "samples_seen")
 OnReport = Callable[[UnitResult], None]
 REPORT_TIMEOUT_SECONDS = 30.0  # how long a rank waits at a report for the others (ctx.report_timeout_seconds)
+# get_checkpoint and the loop's return wait this many times as long: work on one rank only before the first report (a
+# download) or after the last (a final evaluation, an export) is common, and a wait there is no step of training lost
+EDGE_PATIENCE = 10.0
 
 
 class LoopContext(RunContext):
     """The run context of ``train_loop(ctx)`` (everything of ``RunContext``: ``global_batch_size``, ``seed``,
     ``rank``, ``world_size``, ``device``, ``max_duration``, ...) plus ``get_checkpoint``, ``report``,
-    ``should_stop``, ``should_checkpoint``, ``prepare_model``, ``sampler`` and ``attempt`` (1, then 2, ... on
-    Prefect retries). ``num_train_samples`` stays None: the product never sees the loop's data (set it yourself to
+    ``should_stop``, ``should_checkpoint``, ``prepare_model``, ``sampler``, ``attempt`` (1, then 2, ... on
+    Prefect retries) and ``report_timeout_seconds`` (how long a rank waits for the others at a report: set it on
+    the context, ``ctx.report_timeout_seconds = 120``, when ranks reach reports far apart). ``num_train_samples`` stays None: the product never sees the loop's data (set it yourself to
     use ``ctx.total_steps`` with an '<n>ep' duration)."""
 
     attempt: int
@@ -123,7 +127,7 @@ class LoopContext(RunContext):
         random numbers at start-up before calling it. Call it at the top of ``train_loop``, on every rank: a retry or
         a relaunch continues from what it returns."""
         self._asked = True
-        self._meet("ctx.get_checkpoint()")
+        self._meet("ctx.get_checkpoint()", patience=EDGE_PATIENCE)
         self._committer.wait_quietly()
         mine = [STATE_FILE, rng_file(self._world.rank), rank_state_file(self._world.rank)]
         in_memory = newest_snapshot(self._config, self._store, self._world.rank, self._world.size)
@@ -268,7 +272,7 @@ class LoopContext(RunContext):
     # -- the product's side -------------------------------------------------------------------------
     def finish(self) -> UnitResult:
         """After ``train_loop`` returned: waits for the last upload, then checks that the run is complete."""
-        self._meet("the end of train_loop")
+        self._meet("the end of train_loop", patience=EDGE_PATIENCE)
         self._committer.wait()  # the run is done only when its last checkpoint is committed (errors are retried)
         p = self._committed
         if not is_complete(Progress.from_dict(p), self.max_duration):
@@ -349,9 +353,9 @@ class LoopContext(RunContext):
         if rank_state is not None:
             check_loadable(rank_state, "rank_state")
 
-    def _meet(self, point: str) -> None:
+    def _meet(self, point: str, patience: float = 1.0) -> None:
         newest = self._last.name if self._last else (self._at.name if self._at else None)
-        self._meetings.meet(point, self.report_timeout_seconds, newest, self._progress["step"])
+        self._meetings.meet(point, patience * self.report_timeout_seconds, newest, self._progress["step"])
 
     def _warn_if_unusual(self, progress: dict[str, int]) -> None:
         if self._at is not None and not self._asked and self._num_reports == 0:
