@@ -60,6 +60,14 @@ def test_a_run_writes_each_step_once_beside_the_run_with_unit_metrics(make_confi
     assert [s for s, _ in scalars(folder, "eval/loss")] == [8, 16]
 
 
+def test_the_final_evaluation_of_a_run_reaches_its_curves_at_the_last_step(make_config, train_run, tmp_path):
+    result = train_run(make_config(max_duration="2ep"))  # no evaluation inside the run: one at its end
+    metrics_log.close_all()
+    final = scalars(tmp_path / "runs" / "r" / "tb", "eval/loss")
+    assert final == [(16, pytest.approx(result.metrics["eval_loss"]))]
+    assert_one_curve(scalars(tmp_path / "runs" / "r" / "tb"), 16)  # the evaluation's writer purged nothing
+
+
 def test_a_retried_unit_replaces_the_steps_its_failed_attempt_logged(make_config, tmp_path):
     reference = make_config(run_name="reference", max_duration="2ep", log_every_n_steps=1)
     for _ in range(2):

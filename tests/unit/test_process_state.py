@@ -8,7 +8,7 @@ from checkpointing.io import confine
 from training import preemption, process_state
 from training.recipe import loader
 from training.start import preflight, warm_start
-from training.unit import rng
+from training.unit import metrics_log, rng
 from training.unit.loop import BUDGETS
 
 
@@ -21,6 +21,8 @@ def test_reset_forgets_everything_a_process_keeps_across_units():
     BUDGETS["memory://a-run"] = object()  # type: ignore[assignment]
     rng.own_python_random()
     confine.enter(["/nowhere"])
+    closed = []
+    metrics_log._LOGS["memory://a-run"] = type("Log", (), {"close": lambda self: closed.append(1)})()
 
     process_state.reset()
 
@@ -28,6 +30,7 @@ def test_reset_forgets_everything_a_process_keeps_across_units():
     assert not preflight._passed and not warm_start._passed and not BUDGETS
     assert rng._owner is None and random.random == original  # every thread draws from random's own generator again
     assert confine.local_roots() is None
+    assert not metrics_log._LOGS and closed == [1]  # every run's TensorBoard writer closed
 
 
 def test_reset_of_a_fresh_process_changes_nothing():

@@ -16,6 +16,7 @@ from training.recipe.context import RunContext
 from training.recipe.hooks import Hooks
 from training.recipe.loader import load_recipe
 from training.unit import session as sessions
+from training.unit.metrics_log import metrics_for
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,15 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: Sessio
     # In training's micro-batches, not the global batch: one process must hold this batch's activations.
     world = config.nproc_per_node * config.nnodes
     batch = RunContext.of(config, world_size=world).micro_batch_size
-    return evaluate_model(recipe, model, device, batch, recipe.ctx)
+    metrics = evaluate_model(recipe, model, device, batch, recipe.ctx)
+    info = store.info(checkpoint_name)
+    if metrics and info is not None:  # the run's final evaluation, on its curves at the checkpoint's step
+        step = int(info.manifest.progress.get("step", 0))
+        log = metrics_for(config, store)
+        log.start(step)
+        log.log(step, {f"eval/{k}": v for k, v in metrics.items()})
+        log.end()
+    return metrics
 
 
 def _model_weights(store, name: str) -> dict:
