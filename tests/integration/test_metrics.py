@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from tests.conftest import ROOT
 from tests.unit.test_metrics_log import purge_steps, scalars
@@ -191,6 +192,14 @@ def test_two_processes_write_one_curve_from_rank_0_only(make_config, train_run, 
     train_run(make_config(max_duration="2ep", nproc_per_node=2))
     metrics_log.close_all()
     tb = tmp_path / "runs" / "r" / "tb"
-    writers = {path.name.rsplit(".", 2)[1] for path in tb.glob("events.out.tfevents.*")}  # ...<host>.<pid>.<n>
-    assert len(writers) == 1, writers
+    tags_by_writer: dict[str, set[str]] = {}  # pid (events.out.tfevents.<time>.<host>.<pid>.<n>) -> its tags
+    for path in tb.glob("events.out.tfevents.*"):
+        tags = {v.tag for event in EventFileLoader(str(path)).Load() for v in event.summary.value}
+        tags_by_writer.setdefault(path.name.rsplit(".", 2)[1], set()).update(tags)
+    # the ranks' steps come from one process (rank 0); the run's final evaluation is this process's (the flow's)
+    final = tags_by_writer.pop(str(os.getpid()), set())
+    assert final == {"eval/loss", "eval/accuracy"}, final
+    assert len(tags_by_writer) == 1, tags_by_writer  # rank 1 wrote nothing
+    assert "train/loss" in next(iter(tags_by_writer.values()))
     assert [s for s, _ in scalars(tb)] == list(range(1, 17))
+    assert [s for s, _ in scalars(tb, "eval/loss")] == [16]
