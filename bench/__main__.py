@@ -24,6 +24,7 @@ BENCHES = {
     "snapshots": "bench.snapshots",
     "gpu_snapshot": "bench.gpu_snapshot",
     "streaming": "bench.streaming",
+    "metrics": "bench.metrics",
 }
 
 
