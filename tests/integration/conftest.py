@@ -67,7 +67,10 @@ class RunningStack:
 
     def up(self) -> None:
         if self.database == "postgres":
-            self.postgres = postgres.LocalPostgres(postgres.temporary_folder(), free_port(), durable=False)
+            port = free_port()
+            while port == self.stack.port:  # the server's port is chosen early and not bound yet: never share it
+                port = free_port()
+            self.postgres = postgres.LocalPostgres(postgres.temporary_folder(), port, durable=False)
             self.postgres_server = self._track(self.postgres.start(self.logs / "postgres.log"))
             self.postgres.wait_ready(self.postgres_server)
             self.stack.database_url = self.postgres.url
