@@ -56,3 +56,21 @@ def this_worker(environ_entries: list[bytes]) -> bool:
     processes. Always true when the suite runs in one process."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     return worker is None or f"PYTEST_XDIST_WORKER={worker}".encode() in environ_entries
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The torchrun rank processes (``training.distributed.rank``) below ``pid``."""
+    from deployments.stack import descendants
+
+    return [p for p in descendants(pid) if b"training.distributed.rank" in cmdline(p) and b"torch.distributed" not in
+            cmdline(p)]  # fmt: skip
+
+
+def wait_until(predicate, proc, what: str, timeout: float = 180, poll: float = 0.05) -> None:
+    """Polls ``predicate`` until it holds; fails if ``proc`` ended or ``timeout`` seconds passed first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None and time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(poll)

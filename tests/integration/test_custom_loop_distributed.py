@@ -23,9 +23,8 @@ import torch
 
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
-from deployments.stack import descendants
 from tests.conftest import ROOT
-from tests.procs import alive, cmdline
+from tests.procs import alive, ranks_of, wait_until
 
 pytestmark = pytest.mark.slow
 RAY = "tests.own_loop_recipes:SlowRayPortRecipe"
@@ -55,18 +54,6 @@ def final_weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     return store.load(info, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model_weights"]
 
 
-def ranks_of(pid: int) -> list[int]:
-    return [p for p in descendants(pid) if b"training.distributed.rank" in cmdline(p) and b"torch.distributed" not in
-            cmdline(p)]  # fmt: skip
-
-
-def wait(predicate, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None and time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, prefect_env) -> dict[str, torch.Tensor]:
     folder = tmp_path_factory.mktemp("ray-ref")
@@ -79,7 +66,7 @@ def test_sigkill_of_the_run_takes_its_ranks_along_and_the_relaunch_resumes_from_
     tmp_path, prefect_env, reference
 ):
     proc = run(command(tmp_path, "k"), prefect_env, tmp_path / "killed.log")
-    wait(lambda: reports(tmp_path, "k") >= 5, proc, "5 reports")
+    wait_until(lambda: reports(tmp_path, "k") >= 5, proc, "5 reports", poll=0.02)
     ranks = ranks_of(proc.pid)
     assert len(ranks) == 2
     proc.send_signal(signal.SIGKILL)
@@ -103,7 +90,7 @@ def test_a_killed_rank_ends_the_attempt_cleanly_and_the_retry_resumes_from_the_l
     tmp_path, prefect_env, reference
 ):
     proc = run(command(tmp_path, "r", retries=1), prefect_env, tmp_path / "run.log")
-    wait(lambda: reports(tmp_path, "r") >= 5, proc, "5 reports")
+    wait_until(lambda: reports(tmp_path, "r") >= 5, proc, "5 reports", poll=0.02)
     victim = next(p for p in ranks_of(proc.pid) if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes())
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]

@@ -21,9 +21,8 @@ import torch
 
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
-from deployments.stack import descendants
 from tests.conftest import ROOT
-from tests.procs import alive, cmdline
+from tests.procs import alive, ranks_of, wait_until
 from training.preemption import EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -60,18 +59,6 @@ def final_state(folder: Path, run_name: str) -> tuple[dict[str, torch.Tensor], l
     return store.load(info, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"], sorted(info.manifest.files)
 
 
-def ranks_of(pid: int) -> list[int]:
-    return [p for p in descendants(pid) if b"training.distributed.rank" in cmdline(p) and b"torch.distributed" not in
-            cmdline(p)]  # fmt: skip
-
-
-def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None and time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, env) -> dict[str, torch.Tensor]:
     folder = tmp_path_factory.mktemp("noise-ref")
@@ -82,7 +69,7 @@ def reference(tmp_path_factory, env) -> dict[str, torch.Tensor]:
 
 def test_each_rank_resumes_its_own_rng_and_rank_state_after_a_sigkill_of_the_launcher(tmp_path, env, reference):
     proc = run(command(tmp_path, "k", NOISE, {"epoch_seconds": 0.2}), env, tmp_path / "killed.log")
-    wait_for(lambda: reports(tmp_path, "k") >= 5, proc, "5 reports")
+    wait_until(lambda: reports(tmp_path, "k") >= 5, proc, "5 reports")
     ranks = ranks_of(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -130,7 +117,7 @@ def test_a_report_on_rank_0_only_is_a_clear_error_within_seconds_not_a_hang(tmp_
 
 def test_a_sigterm_ends_a_rank_s_wait_at_a_report(tmp_path, env):
     proc = run(command(tmp_path, "t", RANK_ZERO, {"timeout": 600.0}), env, tmp_path / "log")
-    wait_for(lambda: "rank 0 waits at ctx.report() for rank 1" in (tmp_path / "log").read_text(), proc, "a wait")
+    wait_until(lambda: "rank 0 waits at ctx.report() for rank 1" in (tmp_path / "log").read_text(), proc, "a wait")
     ranks = ranks_of(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
