@@ -4,17 +4,21 @@ No Prefect import here: this layer is plain fsspec + tenacity + torch, and torch
 checkpoint is serialized or loaded, so `python -m checkpointing ls|verify` start without it (~1.4 s less).
 """
 
+from checkpointing.copies import copy_checkpoint
 from checkpointing.errors import (
     AccessDeniedError,
     CheckpointError,
     CorruptCheckpointError,
     FencedError,
+    LedgerError,
+    LedgerFencedError,
     NotACheckpointError,
     PermanentStorageError,
     StorageError,
     UnsafeCheckpointError,
 )
 from checkpointing.io.storage import RetrySettings
+from checkpointing.ledger import Event, Ledger
 from checkpointing.manifest import Manifest, Writer
 from checkpointing.store import CheckpointInfo, CheckpointStore, LoadedCheckpoint, validate_name
 from checkpointing.uris import open_checkpoint_uri
@@ -25,7 +29,11 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointStore",
     "CorruptCheckpointError",
+    "Event",
     "FencedError",
+    "Ledger",
+    "LedgerError",
+    "LedgerFencedError",
     "LoadedCheckpoint",
     "Manifest",
     "NotACheckpointError",
@@ -34,6 +42,7 @@ __all__ = [
     "StorageError",
     "UnsafeCheckpointError",
     "Writer",
+    "copy_checkpoint",
     "is_weights_file",
     "open_checkpoint_uri",
     "read_weights",

@@ -42,6 +42,14 @@ class ReleaseError(CheckpointError):
     """``release.json`` is there but is not a release this code can trust; the message names the problem."""
 
 
+class LedgerError(CheckpointError, Permanent):
+    """A sweep's event ledger holds an event this code cannot trust; the message names the file and the fix."""
+
+
+class LedgerFencedError(LedgerError):
+    """Another sweep process appended to the same ledger: this one must stop."""
+
+
 class ManifestError(ValueError):
     """A manifest is missing, torn, altered or of a format this code cannot read."""
 

@@ -29,6 +29,7 @@ import errno
 import logging
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from typing import IO, Any
@@ -183,17 +184,44 @@ class LocalFiles:
         return os.fdopen(fd, "wb")
 
     def create(self, key: str, data: bytes) -> bool:
-        """Writes ``key`` only if nothing (not even a link) is there yet; False if something was."""
+        """Writes ``key`` only if nothing (not even a link) is there yet; False if something was. The bytes go to a
+        temporary file first (fsync'ed), which is then hard-linked to the name: the name appears whole or not at
+        all, so a kill mid-write never leaves an empty file that holds the name for good (a claim, an event)."""
         parts = self._parts(key)
+        tmp = f".{parts[-1][:100]}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         with self._folder(parts[:-1], create=True) as folder:
+            fd = os.open(tmp, flags, 0o644, dir_fd=folder)
             try:
-                fd = os.open(parts[-1], flags, 0o644, dir_fd=folder)
-            except FileExistsError:
-                return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:  # link() never replaces a name, nor follows a link found there
+                    os.link(tmp, parts[-1], src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+                except FileExistsError:
+                    return False
+                os.fsync(folder)
+                return True
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=folder)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copies file ``src`` to ``dst`` in chunks, neither through a link: a temporary file renamed over ``dst``."""
+        parts = self._parts(dst)
+        tmp = f".{parts[-1][:100]}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        with self.open_read(src) as source, self._folder(parts[:-1], create=True) as folder:
+            fd = os.open(tmp, flags, 0o644, dir_fd=folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    shutil.copyfileobj(source, f, _CHUNK)
+                os.rename(tmp, parts[-1], src_dir_fd=folder, dst_dir_fd=folder)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=folder)
+                raise
 
     def make_folder(self, key: str) -> None:
         """Makes folder ``key`` and those above it, through no link."""

@@ -247,6 +247,14 @@ class Storage:
 
         return self._call(f"create {key}", create_remote, missing_is_error=True)
 
+    def copy(self, src: str, dst: str) -> None:
+        """Copies object ``src`` to ``dst`` inside this store: on S3 a server-side CopyObject (no byte passes through
+        this process); locally in chunks, never through a link."""
+        local = self.local
+        if local is not None:
+            return self._call(f"copy {src} to {dst}", lambda: local.copy(src, dst), missing_is_error=True)
+        self._call(f"copy {src} to {dst}", lambda: self.fs.copy(self.path(src), self.path(dst)), missing_is_error=True)
+
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         """The object's bytes; with ``max_bytes``, no more than ``max_bytes + 1`` of them are read (a caller
         that gets more than ``max_bytes`` knows the object is too big without having read it all)."""
