@@ -25,6 +25,7 @@ BENCHES = {
     "gpu_snapshot": "bench.gpu_snapshot",
     "streaming": "bench.streaming",
     "metrics": "bench.metrics",
+    "sweep": "bench.sweep_vs_ray",
 }
 
 
