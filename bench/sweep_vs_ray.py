@@ -180,7 +180,7 @@ def ledger(folder: Path) -> list[dict[str, Any]]:
 
 def from_ledger(events: list[dict[str, Any]], best_trial: str, t0: float) -> dict[str, Any]:
     """Units trained in all, the best trial's parameters and when its last segment finished (seconds since t0)."""
-    finished = [e["body"] for e in events if e["kind"] == "segment_finished" and e["body"].get("status") == "ok"]
+    finished = [e["body"] for e in events if e["kind"] == "segment_finished"]  # a failed segment's units count too
     ends = [e["time"] for e in events if e["kind"] == "segment_finished" and e["body"]["trial"] == best_trial]
     params = next(
         e["body"]["params"] for e in events if e["kind"] == "trial_created" and e["body"]["trial"] == best_trial
@@ -191,8 +191,9 @@ def from_ledger(events: list[dict[str, Any]], best_trial: str, t0: float) -> dic
 
 
 def run_ours(t0: float, folder: str) -> dict[str, Any]:
-    from flows.sweep import SweepConfig, sweep
+    from flows.sweep import sweep
     from training.config import TrainConfig
+    from training.sweep.config import SweepConfig
 
     train = TrainConfig(save_folder=folder, recipe="digits", max_duration=f"{EPOCHS}ep", save_interval="1ep",
                         global_batch_size=BATCH, seed=SEED, eval_each_unit=True, progress_bar=False)  # fmt: skip
@@ -206,8 +207,9 @@ def run_ours(t0: float, folder: str) -> dict[str, Any]:
         if os.environ.get("PREFECT_API_URL")
         else "sweep()'s own server"
     )
-    out.update(best_trial=result.best_trial, best_metric=float(result.best_metric),
-               note=f"{server}; units_trained in the result: {result.units_trained}")  # fmt: skip
+    value = result.best_value if hasattr(result, "best_value") else result.best_metric
+    note = f"{server}; units_trained in the result: {result.units_trained}"
+    out.update(best_trial=result.best_trial, best_metric=float(value), note=note)
     return out
 
 
