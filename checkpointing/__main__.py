@@ -1,6 +1,7 @@
 """Checkpoints for people: ``python -m checkpointing ls|verify|export <uri>``.
 
     python -m checkpointing ls runs/exp1                    # table of a run's checkpoints
+    python -m checkpointing ls runs/sweep1                  # a sweep folder: table of its trials, the best one
     python -m checkpointing ls runs/exp1 --best loss --order min   # those reporting loss, lowest first
     python -m checkpointing verify runs/exp1                # sha256 of every file; exit 1 if any is bad
     python -m checkpointing verify runs/exp1 --name ep3-ba24-sa768   # one checkpoint
@@ -18,11 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 from checkpointing.errors import CheckpointError, StorageError
 from checkpointing.io.protocols import check_store_url
+from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import printable
+from checkpointing.ledger import EVENTS, Event, Ledger
+from checkpointing.manifest import is_valid_name
 from checkpointing.store import CHECKPOINTS, POINTER, CheckpointInfo, CheckpointStore, validate_name
 from checkpointing.uris import split_run_uri
 
@@ -37,6 +44,9 @@ HEADER = ("name", "epoch", "step", "samples", "size MB", "verified", "latest")
 
 
 def cmd_ls(args, options) -> int:
+    sweep = Storage(check_store_url(args.uri, "uri"), options)
+    if sweep.exists(f"{SWEEP}/{EVENTS}"):
+        return _ls_sweep(Ledger(sweep, SWEEP))
     store, _ = _run_store(args.uri, options)
     if not (store.storage.exists(POINTER) or store.storage.exists(CHECKPOINTS)):
         print(
@@ -71,6 +81,124 @@ def _ls_best(store: CheckpointStore, metric: str, order: str) -> int:
         rows.append((name, f"{info.metrics[metric]:.6g}", *rest))
     _print_table(rows)
     return 0
+
+
+# -- a sweep folder: its trials, folded from the ledger (training/sweep/study.py gives the events their meaning) ----
+SWEEP = "sweep"
+_STATES = {
+    "segment_started": "running",
+    "trial_paused": "paused",
+    "trial_promoted": "pending",
+    "trial_stopped": "stopped",
+    "trial_completed": "completed",
+    "exploit": "pending",
+}
+
+
+@dataclass
+class _Trial:
+    index: int
+    state: str = "pending"
+    runs: list[str] = field(default_factory=list)
+    units: dict[int, tuple[dict[str, Any], str]] = field(default_factory=dict)  # unit -> (metrics, checkpoint)
+
+
+def _ls_sweep(ledger: Ledger) -> int:
+    """``ls`` on a sweep folder: one row per trial, then the best trial. Values from the ledger are untrusted: names
+    print only when they are valid names, numbers only as numbers."""
+    events = ledger.read()
+    started = next((e.body for e in events if e.kind == "sweep_started"), {})
+    spec: dict[str, Any] = started["spec"] if isinstance(started.get("spec"), dict) else {}
+    metric = _name(spec.get("metric")) or "loss"
+    mode = "max" if spec.get("mode") == "max" else "min"
+    trials = _fold(events)
+    rows: list[tuple[str, ...]] = [
+        ("trial", "state", "runs", "units", f"last {metric}", f"best {metric}", "best checkpoint")
+    ]
+    for name, t in sorted(trials.items(), key=lambda item: item[1].index):
+        best = _best(t, metric, mode)
+        last = t.units[max(t.units)][0].get(metric) if t.units else None
+        rows.append(
+            (
+                name,
+                t.state,
+                ",".join(t.runs),
+                str(max(t.units, default=0)),
+                _number(last),
+                _number(best[0] if best else None),
+                best[1] if best else "",
+            )
+        )
+    _print_table(rows)
+    print(_best_line(events, trials, metric, mode))
+    return 0
+
+
+def _fold(events: list[Event]) -> dict[str, _Trial]:
+    trials: dict[str, _Trial] = {}
+    for e in events:
+        name = _name(e.body.get("trial"))
+        if e.kind == "trial_created" and name:
+            index: Any = e.body.get("index")
+            trials[name] = _Trial(int(index) if _is_number(index) else len(trials))
+        t = trials.get(name)
+        if t is None:
+            continue
+        run = _name(e.body.get("run_name"))
+        if run and run not in t.runs and e.kind in ("segment_started", "exploit"):
+            t.runs.append(run)
+        t.state = _STATES.get(e.kind, t.state)
+        if e.kind == "segment_finished":
+            t.state = "paused" if e.body.get("status") == "ok" else "failed"
+            units = e.body.get("units")
+            for unit in units if isinstance(units, list) else []:
+                if isinstance(unit, dict) and _is_number(unit.get("unit")) and isinstance(unit.get("metrics"), dict):
+                    t.units[int(unit["unit"])] = (unit["metrics"], _checkpoint(unit.get("checkpoint")))
+    return trials
+
+
+def _best(t: _Trial, metric: str, mode: str) -> tuple[float, str] | None:
+    scored = [(float(m[metric]), unit, ckpt) for unit, (m, ckpt) in t.units.items() if _is_number(m.get(metric))]
+    if not scored:
+        return None
+    value, _, ckpt = min(scored, key=lambda s: (s[0] if mode == "min" else -s[0], s[1]))
+    return value, ckpt
+
+
+def _best_line(events: list[Event], trials: dict[str, _Trial], metric: str, mode: str) -> str:
+    finished = next((e.body for e in reversed(events) if e.kind == "sweep_finished"), None)
+    if finished and _name(finished.get("best_trial")):
+        shown = _number(finished.get("value"))
+        return f"best trial: {_name(finished['best_trial'])} ({metric} {shown}) at {_checkpoint(finished.get('best_checkpoint'))}"
+    found = [
+        (b[0] if mode == "min" else -b[0], t.index, name, b)
+        for name, t in trials.items()
+        if (b := _best(t, metric, mode))
+    ]
+    if not found:
+        return f"best trial: none yet (no trial reports {metric})"
+    _, _, name, (value, ckpt) = min(found)
+    return f"best trial so far: {name} ({metric} {_number(value)}) at {ckpt}"
+
+
+def _name(value: Any) -> str:
+    return value if isinstance(value, str) and is_valid_name(value) else ""
+
+
+def _is_number(value: Any) -> bool:
+    """A finite JSON number (NaN, a diverged trial's loss, ranks nowhere)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(value: Any) -> str:
+    return f"{value:.6g}" if _is_number(value) else ""
+
+
+def _checkpoint(uri: Any) -> str:
+    """A checkpoint URI from the ledger, shown only when it ends in ``<run>/checkpoints/<name>`` of valid names."""
+    parts = uri.rstrip("/").split("/") if isinstance(uri, str) else []
+    ok = len(parts) >= 3 and parts[-2] == CHECKPOINTS and is_valid_name(parts[-1]) and is_valid_name(parts[-3])
+    return printable(uri) if ok else "(not a checkpoint URI)"
 
 
 def _row(store: CheckpointStore, info: CheckpointInfo, pointer: str | None) -> tuple[str, ...]:
@@ -175,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export}[args.command](args, options)
-    except (CheckpointError, StorageError, ValueError, OSError) as exc:
+    except (CheckpointError, StorageError, ValueError, OSError) as exc:  # LedgerError is a CheckpointError
         print(f"error: {printable(exc)}", file=sys.stderr)
         return 1
 
