@@ -257,3 +257,27 @@ def test_a_missing_metric_ranks_last_and_is_reported_as_a_warning() -> None:
     config = sweep_config("asha", metric="accuracy", mode="max")
     study = Study.fold(uninterrupted(sweep_config("asha"), seed=0, slots=1)[1].events[:60])
     assert any("no finite 'accuracy'" in w for w in plan(study, config).warnings)
+
+
+class FailingTrainer(FakeTrainer):
+    """Every segment of t002 dies for good (its retries spent)."""
+
+    def finish(self, job: Job) -> dict[str, Any]:
+        if job.trial != "t002":
+            return super().finish(job)
+        return {"trial": job.trial, "run_name": job.run_name, "target_units": job.target_units, "status": "failed",
+                "error": "RuntimeError: boom", "units": []}  # fmt: skip
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "asha", "pbt"])
+def test_a_trial_that_fails_for_good_ranks_last_and_the_sweep_still_finishes(scheduler: str) -> None:
+    config = sweep_config(scheduler)
+    summaries = []
+    for seed in range(4):
+        sweep = Sweep(config, FailingTrainer())
+        study = sweep.run(random.Random(seed), slots=3)
+        assert study.trials["t002"].state == "failed" and study.finished is not None
+        assert study.finished["best_trial"] != "t002"
+        assert all(t.state in ("completed", "stopped") for n, t in study.trials.items() if n != "t002")
+        summaries.append(study.summary())
+    assert all(s == summaries[0] for s in summaries)

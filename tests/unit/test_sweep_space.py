@@ -161,3 +161,17 @@ def test_explore_stays_in_the_space_and_keeps_the_grid() -> None:
 def test_apply_sets_recipe_args_inside_recipe_args_and_options_at_the_top() -> None:
     fields = apply({"recipe_args": {"a": 1}, "seed": 1}, {"recipe_args.b": 2, "seed": 3})
     assert fields == {"recipe_args": {"a": 1, "b": 2}, "seed": 3}
+
+
+def test_the_environment_fills_the_base_run_once_and_never_overrides_a_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAIN_SEED", "5")
+    base = TrainConfig(max_duration="6ep", save_interval="2ep")
+    config = sweep(train=base)
+    assert config.train is base and config.train.seed == 5
+    monkeypatch.setenv("TRAIN_SEED", "9")
+    monkeypatch.setenv("TRAIN_GLOBAL_BATCH_SIZE", "7")
+    trial = config.trial_config({"recipe_args.hidden": 32}, "t000", target_units=1)
+    assert trial.seed == 5 and trial.global_batch_size == 64
+    from_json = SweepConfig.model_validate({"train": {"max_duration": "6ep", "save_interval": "2ep"},
+                                            "sweep_name": "s", "space": SPACE})  # fmt: skip
+    assert from_json.train.seed == 9  # a flow-run parameter's base run reads the worker's variables, as train does
