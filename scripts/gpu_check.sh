@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_check.sh        # logs into $OUT (the device tool's folder that comes back), else /tmp/gpu_check
 #
-# Steps, each under `timeout`, all together within GPU_CHECK_BUDGET seconds (default 420):
+# Steps, each under `timeout`, all together within GPU_CHECK_BUDGET seconds (default 540):
 #   1. the wheels into /tmp/site (PYTHONPATH), as the device tool's README says
 #   2. the project itself: `pip install --no-deps --no-build-isolation --no-index -e .` (entry points registered);
 #      if that fails (an old setuptools there, say), the checkout goes on PYTHONPATH instead: tests/gpu allow their
@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/site}
-BUDGET=${GPU_CHECK_BUDGET:-420}
+BUDGET=${GPU_CHECK_BUDGET:-540}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 start=$SECONDS
@@ -98,7 +98,7 @@ fi
 
 # 5. The snapshot benchmark, once it exists.
 if [[ -f bench/gpu_snapshot.py ]]; then
-	step bench-gpu 180 python3 -m bench gpu_snapshot 2>&1 | tee "$OUT/bench-gpu.log"
+	step bench-gpu 300 python3 -m bench gpu_snapshot 2>&1 | tee "$OUT/bench-gpu.log"
 	(($? != 0)) && failed+=("bench-gpu")
 else
 	echo "=== bench-gpu: skipped (no bench/gpu_snapshot.py)"

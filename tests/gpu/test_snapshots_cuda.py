@@ -63,6 +63,9 @@ def weights(cfg) -> dict:
     return store.load(store.latest(), ["state.pt"]).objects["state.pt"]["state"]["model"]
 
 
+FAULT_USAGE: list[tuple[bool, bool]] = []  # (pinned, shared) of the snapshot buffers when a unit failed
+
+
 def run_all(cfg, forget_store_snapshots: bool = False) -> list:
     """Units until the run is complete; a unit that fails (an injected fault) is tried again, as Prefect would. With
     ``forget_store_snapshots``, the snapshots inside the unit that reached the store are deleted after the failure,
@@ -77,6 +80,10 @@ def run_all(cfg, forget_store_snapshots: bool = False) -> list:
                 )
             except InjectedFault:
                 attempt += 1
+                # the buffers the retry resumes from (a completed run frees them: look now)
+                pipeline = PROCESS.committer.snapshots
+                if pipeline is not None:
+                    FAULT_USAGE.append((pipeline.usage.pinned, pipeline.usage.shared))
                 PROCESS.committer.drop_snapshots()  # its uploads land (or fail) now, not after what follows
                 if forget_store_snapshots:
                     store = CheckpointStore(cfg.save_folder, cfg.run_name)
@@ -94,12 +101,12 @@ def test_cuda_snapshots_every_step_then_a_retry_from_pinned_host_memory_match_an
     clean = config(tmp_path, "clean", snapshot_interval=None)
     run_all(clean)
     PROCESS.forget()
+    FAULT_USAGE.clear()
     faulty = config(tmp_path, "faulty", inject_fault_at_step=20)
     results = run_all(faulty, forget_store_snapshots=True)
     assert results[0].origin == "fresh"
     assert results[1].origin == "host" and results[1].steps == 12  # 16 steps an epoch: resumed at 20 from memory
-    pipeline = PROCESS.committer.snapshots
-    assert pipeline is not None and pipeline.usage.pinned and pipeline.usage.shared
+    assert FAULT_USAGE[-1:] == [(True, True)]  # the state it resumed from was in pinned, shared host buffers
     a, b = weights(clean), weights(faulty)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
