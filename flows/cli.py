@@ -38,7 +38,11 @@ ABORTED = "aborted by Ctrl-C: the run resumes from its last committed checkpoint
 
 
 def run(
-    flow: Callable[..., Any], argv: list[str], done: Callable[[Any], str], options: type[BaseModel] | None = None
+    flow: Callable[..., Any],
+    argv: list[str],
+    done: Callable[[Any], str],
+    options: type[BaseModel] | None = None,
+    check: Callable[[TrainConfig, dict[str, Any]], None] | None = None,
 ) -> int:
     """Parses ``argv`` into a TrainConfig (and the flow's own ``options``, passed to it as keyword arguments),
     runs ``flow`` and prints ``done(result)``; returns the exit code. A temporary Prefect server that
@@ -47,7 +51,7 @@ def run(
     verbose = any(a in VERBOSE_FLAGS for a in argv)
     argv = [a for a in argv if a not in VERBOSE_FLAGS]
     try:
-        code = _run(flow, argv, done, options, verbose)
+        code = _run(flow, argv, done, options, verbose, check or (lambda config, _: check_before_prefect(config)))
     except KeyboardInterrupt:  # Ctrl-C before the run could stop politely (start-up), or a second one
         code = fail(ABORTED, INTERRUPTED)
     finally:
@@ -105,17 +109,27 @@ def _run(
     done: Callable[[Any], str],
     options: type[BaseModel] | None,
     verbose: bool,
+    check: Callable[[TrainConfig, dict[str, Any]], None],
 ) -> int:
     try:
         own, config = parse(argv, options)
     except CONFIG_ERRORS as exc:
         return fail(config_error(exc, argv), 2)
     try:
-        check_before_prefect(config)
+        check(config, own)
     except CONFIG_ERRORS as exc:
         return fail(config_error(exc, argv), 2)
     except (CheckpointError, StorageError) as exc:
         return fail(f"run {config.run_name!r}: {exc}", 1)
+    return run_checked(flow, config, own, done, verbose)
+
+
+def run_checked(
+    flow: Callable[..., Any], config: TrainConfig, own: dict[str, Any], done: Callable[[Any], str], verbose: bool
+) -> int:
+    """Runs ``flow(config, **own)`` as the command line does once the configuration was read and checked: a stop
+    request is one line and exit 143 (130 for Ctrl-C), a mistake one line and exit 2, a failure one line and exit 1.
+    A sweep's trial process (flows/sweep_trial.py) runs its run through here too."""
     try:
         # A SIGTERM while Prefect starts: leave, saying so. Ctrl-C too, whatever preemption_signals says; from the
         # first signal until exit, the others are ignored (a second Ctrl-C aborts).

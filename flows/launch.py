@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-COMMANDS = ("flows.train", "flows.retrain")
+COMMANDS = ("flows.train", "flows.retrain", "flows.sweep")
 _SHORT_FLAGS = re.compile(r"^-[bBdEiIOPqsSuvx]*m(.*)$")  # python's flags without an argument, then -m
 
 
@@ -51,11 +51,12 @@ def start(module: str, argv: list[str]) -> None:
     exit, else start the temporary server unless a Prefect server is configured or running."""
     atexit.register(_exit_without_teardown)  # registered first: runs after every other exit handler
     from flows import cli, server
-    from flows.options import RetrainOptions
+    from flows.options import RetrainOptions, sweep_options
 
     argv = [a for a in argv if a not in cli.VERBOSE_FLAGS]
     try:
-        cli.parse(argv, RetrainOptions if module == "flows.retrain" else None)  # --help prints and exits 0 here
+        options = RetrainOptions if module == "flows.retrain" else sweep_options() if module == "flows.sweep" else None
+        cli.parse(argv, options)  # --help prints and exits 0 here
     except cli.CONFIG_ERRORS as exc:
         sys.exit(cli.fail(cli.config_error(exc, argv), 2))
     server.start_early()

@@ -9,6 +9,7 @@ taken away is not a failure of the user's code.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -31,6 +32,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled, Crashed, Scheduled
 
 from tasks.train_unit import PREEMPTED, SUPERSEDED
+from tasks.trial import UNTRUSTED_ENV as UNTRUSTED_TRIAL_ENV
 from training.preemption import STOP, Preempted
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,13 @@ def flow_run_attempt() -> int:
 def is_deployment_run() -> bool:
     """Whether this flow run was created from a deployment: its parameters come from whoever may create runs."""
     return bool(deployment.id)
+
+
+def parameters_untrusted() -> bool:
+    """Whether this run's configuration came from whoever may create flow runs: a deployment run's parameters, or a
+    trial that a deployment run of a sweep started in a process of its own (it says so in the child's environment,
+    which the worker's side writes, never a parameter)."""
+    return is_deployment_run() or os.environ.get(UNTRUSTED_TRIAL_ENV) == "1"
 
 
 def restart_count() -> int:

@@ -26,9 +26,9 @@ from flows.restarts import (
     StoppedRun,
     end_dead_attempts,
     flow_run_attempt,
-    is_deployment_run,
     leave,
     leave_superseded,
+    parameters_untrusted,
     restart_count,
     superseded_by_this_flow_run,
 )
@@ -71,7 +71,7 @@ def train_flow(config: TrainConfig) -> TrainResult:
     try:
         with (
             preemption.handling(config.preemption_signals, hold=True),  # after a stop, until the process exits
-            Run.open(config, attempt=attempt, owner=owner, label=label, untrusted=is_deployment_run()) as run,
+            Run.open(config, attempt=attempt, owner=owner, label=label, untrusted=parameters_untrusted()) as run,
             AttemptAlive(),
         ):
             try:

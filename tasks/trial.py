@@ -1,0 +1,195 @@
+"""The trial task: one segment of a sweep's trial, an ordinary training run in a process of its own.
+
+A trial is a run of this product like any other (flows/train.py, its own flow run in Prefect, its retries, its
+snapshots and preemption); it runs in a child process because a run owns process-wide things (the global RNGs, the
+warm state kept between units, signal handlers) that two trials in one process would share. The child is
+``python -m flows.sweep_trial <spec>``; it dies with the sweep's process (PR_SET_PDEATHSIG), so a SIGKILLed sweep
+leaves no orphan training on, and a relaunch resumes the segment from its newest checkpoint.
+
+A child that died (killed, out of memory) is started again by Prefect's task retry: the run autoresumes, so the
+retry continues where the dead process last committed. A child that stopped on request (SIGTERM: preemption) is
+not retried: the sweep itself is stopping. A child whose run failed (its own unit retries spent) or whose
+configuration was refused is not retried either: the sweep records the trial as failed and goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+from pydantic import BaseModel
+
+from checkpointing.snapshots import INTERMEDIATE
+from training.config import TrainConfig
+from training.distributed.processes import die_with_parent
+from training.exceptions import Permanent
+from training.recipe.loader import ALLOWED_ENV
+from training.unit.session import open_store
+
+# How the child says what happened (flows/sweep_trial.py): the CLI's codes.
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+EXIT_STOPPED = (130, 143)
+UNTRUSTED_ENV = "SWEEP_TRIAL_UNTRUSTED"  # set by the sweep: this trial's parameters came from a deployment run's API
+_TAIL = 2000  # characters of a failed child's stderr kept for its message
+
+
+class TrialStopped(RuntimeError, Permanent):
+    """The trial's process stopped on request (the sweep is being preempted): resumed by the sweep's relaunch."""
+
+
+class TrialFailed(RuntimeError, Permanent):
+    """The trial's run failed, or its configuration was refused: the sweep records it and goes on."""
+
+
+class TrialDied(Exception):
+    """The trial's process died without saying why (a signal, the OOM killer): retried, and the retry resumes."""
+
+
+class UnitCheckpoint(BaseModel):
+    """One committed unit checkpoint of a trial's run, as its manifest vouches for it."""
+
+    progress: dict[str, int]
+    metrics: dict[str, float]
+    checkpoint: str
+
+
+class SegmentOutcome(BaseModel):
+    """What one segment left: the run's unit checkpoints (every one, oldest first), and what the launch that
+    finished it reported (how many units it trained, where it started)."""
+
+    run_name: str
+    checkpoints: list[UnitCheckpoint]
+    units_trained: int
+    started_from: str
+
+
+class _Children:
+    """The trial processes running now: the sweep forwards a stop request (SIGTERM) to them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen[bytes]] = set()
+
+    def add(self, child: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._running.add(child)
+
+    def discard(self, child: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._running.discard(child)
+
+    def signal(self, signum: int = signal.SIGTERM) -> int:
+        with self._lock:
+            children = list(self._running)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+        return len(children)
+
+
+CHILDREN = _Children()
+
+
+def retry_if_died(task, task_run, state) -> bool:
+    """Retry condition (a plain function: Prefect 3.8 ignores partials): only a process that died is started again."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(exc, TrialDied)
+
+
+@task(name="trial", task_run_name="{config.run_name}", cache_policy=NO_CACHE, retry_condition_fn=retry_if_died)
+def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> SegmentOutcome:
+    """Train ``config`` (one trial's run, up to its segment's max_duration) in a child process; its checkpoints."""
+    logger = get_run_logger()
+    with tempfile.TemporaryDirectory(prefix="trial-") as folder:
+        spec, result = os.path.join(folder, "spec.json"), os.path.join(folder, "result.json")
+        fields = config.model_dump(mode="json", exclude={"storage_options", "config_file"})
+        with open(os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            json.dump({"config": fields, "result_file": result}, f)
+        code, stderr = _run_child(spec, _child_env(config, recipe_path, untrusted))
+        if code == EXIT_OK:
+            with open(result) as f:
+                reported = json.load(f)
+            logger.info("trial run %s reached %s", config.run_name, config.max_duration)
+            return SegmentOutcome(
+                run_name=config.run_name,
+                checkpoints=unit_checkpoints(config),
+                units_trained=int(reported["units_trained"]),
+                started_from=str(reported["started_from"]),
+            )
+    tail = stderr.strip()[-_TAIL:]
+    if code in EXIT_STOPPED:
+        raise TrialStopped(f"trial run {config.run_name} stopped on request (exit {code})")
+    if code in (EXIT_FAILED, EXIT_CONFIG):
+        raise TrialFailed(f"trial run {config.run_name} did not complete (exit {code}): {_last_error(tail)}")
+    raise TrialDied(f"trial run {config.run_name}'s process died (exit {code}); a retry resumes it: {tail[-300:]}")
+
+
+def _run_child(spec: str, env: dict[str, str]) -> tuple[int, str]:
+    """Runs the trial's process to its end: its stdout goes to ours, its stderr too and is kept for a message."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flows.sweep_trial", spec],
+        env=env,
+        stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent,
+    )
+    CHILDREN.add(child)
+    kept: list[str] = []
+    try:
+        assert child.stderr is not None
+        for raw in child.stderr:
+            line = raw.decode(errors="replace")
+            sys.stderr.write(line)
+            kept.append(line)
+            del kept[:-50]
+        return child.wait(), "".join(kept)
+    finally:
+        CHILDREN.discard(child)
+
+
+def _child_env(config: TrainConfig, recipe_path: str, untrusted: bool) -> dict[str, str]:
+    """The sweep's environment (the Prefect API it uses, the worker's roots and allow-list), plus the recipe this
+    sweep was allowed to run and, never on disk, the storage options (credentials may be among them)."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = dict(os.environ)
+    env[ALLOWED_ENV] = ",".join(filter(None, [env.get(ALLOWED_ENV, ""), recipe_path]))
+    api = PREFECT_API_URL.value()
+    if api:
+        env["PREFECT_API_URL"] = api
+    if config.storage_options:
+        env["TRAIN_STORAGE_OPTIONS"] = json.dumps(config.storage_options)
+    if untrusted:
+        env[UNTRUSTED_ENV] = "1"
+    else:
+        env.pop(UNTRUSTED_ENV, None)
+    return env
+
+
+def unit_checkpoints(config: TrainConfig) -> list[UnitCheckpoint]:
+    """Every committed unit checkpoint of the run (snapshots taken inside a unit left out), oldest first."""
+    found = []
+    for info in open_store(config).list():
+        if info.manifest.metadata.get(INTERMEDIATE):
+            continue
+        found.append(UnitCheckpoint(progress=dict(info.progress), metrics=dict(info.metrics), checkpoint=info.uri))
+    return sorted(found, key=lambda c: c.progress.get("samples_seen", 0))
+
+
+def _last_error(stderr: str) -> str:
+    """The child's ``error:`` line (the CLI's one clear message), else the end of what it printed."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    return lines[-1][len("error: ") :] if lines else stderr[-300:]
+
+
+def trial_error(exc: BaseException) -> dict[str, Any]:
+    """What the ledger keeps of a failed segment: the kind and our own message (bounded)."""
+    return {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
