@@ -87,7 +87,8 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     for side in SIDES:
         for r in runs.get(side, []):
             lines.append(f"- {side}: best {r['best_trial']} ({short(r['best_params'])}) {METRIC} "
-                         f"{r['best_metric']:.4f}; {r['note']}")  # fmt: skip
+                         f"{r['best_metric']:.4f}; units per trial {r['per_trial']} in {r['launches']} trial "
+                         f"launches; {r['note']}")  # fmt: skip
     return lines
 
 
@@ -167,7 +168,8 @@ def run_ray(t0: float, folder: str) -> dict[str, Any]:
         trial_id = best.metrics["trial_id"]
         return {"best_trial": trial_id, "best_params": best.config["params"], "best_metric": value,
                 "to_best": seen[trial_id][-1], "units": sum(len(v) for v in seen.values()),
-                "trials": len(results), "note": f"Ray {ray.__version__}, ray.init(num_cpus=2)"}  # fmt: skip
+                "trials": len(results), "per_trial": [len(seen[k]) for k in sorted(seen)], "launches": len(seen),
+                "note": f"Ray {ray.__version__}, ray.init(num_cpus=2)"}  # fmt: skip
     finally:
         ray.shutdown()
 
@@ -185,9 +187,23 @@ def from_ledger(events: list[dict[str, Any]], best_trial: str, t0: float) -> dic
     params = next(
         e["body"]["params"] for e in events if e["kind"] == "trial_created" and e["body"]["trial"] == best_trial
     )
-    trials = sum(e["kind"] == "trial_created" for e in events)
-    return {"units": sum(int(b["units_trained"]) for b in finished), "best_params": params,
-            "to_best": max(ends) - t0, "trials": trials}  # fmt: skip
+    names = [e["body"]["trial"] for e in events if e["kind"] == "trial_created"]
+    per_trial = [sum(int(b["units_trained"]) for b in finished if b["trial"] == name) for name in names]
+    return {"units": sum(per_trial), "best_params": params, "to_best": max(ends) - t0, "trials": len(names),
+            "per_trial": per_trial, "launches": len(finished), "launch_seconds": launch_seconds(events)}  # fmt: skip
+
+
+def launch_seconds(events: list[dict[str, Any]]) -> list[float]:
+    """Each segment's seconds from its segment_started to its segment_finished event, in the order they finished."""
+    started: dict[tuple, float] = {}
+    out = []
+    for e in events:
+        key = (e["body"].get("trial"), e["body"].get("run_name"), e["body"].get("target_units"))
+        if e["kind"] == "segment_started":
+            started[key] = e["time"]
+        elif e["kind"] == "segment_finished" and key in started:
+            out.append(round(e["time"] - started.pop(key), 2))
+    return out
 
 
 def run_ours(t0: float, folder: str) -> dict[str, Any]:
@@ -208,7 +224,10 @@ def run_ours(t0: float, folder: str) -> dict[str, Any]:
         else "sweep()'s own server"
     )
     value = result.best_value if hasattr(result, "best_value") else result.best_metric
-    note = f"{server}; units_trained in the result: {result.units_trained}"
+    seconds = out["launch_seconds"]
+    note = (f"{server}; units_trained in the result: {result.units_trained}; a segment (trial launch) took "
+            f"{median(seconds):.1f} s median ({min(seconds):.1f}-{max(seconds):.1f}) from segment_started to "
+            f"segment_finished")  # fmt: skip
     out.update(best_trial=result.best_trial, best_metric=float(value), note=note)
     return out
 

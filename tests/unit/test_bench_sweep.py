@@ -41,18 +41,22 @@ def test_units_and_the_time_of_the_best_trials_last_segment_are_read_from_the_le
     events = [
         event("trial_created", 100.0, trial="t000", index=0, params={"recipe_args.lr": 0.1}),
         event("trial_created", 100.0, trial="t001", index=1, params={"recipe_args.lr": 0.2}),
-        event("segment_finished", 110.0, trial="t000", status="ok", units_trained=1),
+        event("segment_started", 101.0, trial="t000", run_name="t000", target_units=1),
+        event("segment_started", 101.5, trial="t001", run_name="t001", target_units=1),
+        event("segment_finished", 110.0, trial="t000", run_name="t000", target_units=1, status="ok", units_trained=1),
         event("segment_finished", 111.0, trial="t001", status="ok", units_trained=1),
         event("segment_finished", 125.0, trial="t001", status="ok", units_trained=3),
         event("segment_finished", 126.0, trial="t000", status="failed", units_trained=0),
     ]
     out = bench.from_ledger(events, "t001", t0=95.0)
-    assert out == {"units": 5, "best_params": {"recipe_args.lr": 0.2}, "to_best": 30.0, "trials": 2}
+    assert out == {"units": 5, "best_params": {"recipe_args.lr": 0.2}, "to_best": 30.0, "trials": 2,
+                   "per_trial": [1, 4], "launches": 4, "launch_seconds": [9.0]}  # fmt: skip
 
 
 def figures(wall: float, to_best: float, units: int) -> dict:
     return {"wall": wall, "to_best": to_best, "units": units, "best_trial": "t007",
-            "best_params": {"recipe_args.lr": 0.01, "recipe_args.hidden": 128}, "best_metric": 0.1, "note": "n"}  # fmt: skip
+            "best_params": {"recipe_args.lr": 0.01, "recipe_args.hidden": 128}, "best_metric": 0.1, "note": "n",
+            "per_trial": [4, 4, 8, 16], "launches": 4}  # fmt: skip
 
 
 def test_the_table_shows_each_side_and_the_ratio_ours_over_ray():
@@ -60,7 +64,10 @@ def test_the_table_shows_each_side_and_the_ratio_ours_over_ray():
     assert lines[0] == "| figure | ours | ray | ours / ray |"
     assert "| whole process, s | 30.00 | 60.00 | 0.50x |" in lines
     assert "| units (epochs) trained | 16 | 32 | 0.50x |" in lines
-    assert "- ray: best t007 (hidden=128, lr=0.01) eval_loss 0.1000; n" in lines
+    assert (
+        "- ray: best t007 (hidden=128, lr=0.01) eval_loss 0.1000; units per trial [4, 4, 8, 16] in 4 trial launches; n"
+        in lines
+    )
 
 
 def test_the_table_of_one_side_has_no_ratio():
