@@ -109,7 +109,7 @@ def _ls_sweep(ledger: Ledger) -> int:
     events = ledger.read()
     started = next((e.body for e in events if e.kind == "sweep_started"), {})
     spec: dict[str, Any] = started["spec"] if isinstance(started.get("spec"), dict) else {}
-    metric = _name(spec.get("metric")) or "loss"
+    metric = _name(spec.get("metric")) or "eval_loss"
     mode = "max" if spec.get("mode") == "max" else "min"
     trials = _fold(events)
     rows: list[tuple[str, ...]] = [

@@ -24,7 +24,7 @@ reschedules a Crashed run that nothing followed (no restart, heartbeat or later 
 
 Both are created idempotently, by name (an existing one is updated in place):
 
-    python -m deployments.automations --deployment train/default --deployment retrain/nightly
+    python -m deployments.automations --deployment train/default --deployment retrain/nightly --deployment sweep/default
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from prefect.settings import get_current_settings
 HEARTBEAT_LOST = "training: heartbeat lost -> crashed"
 RESTART_CRASHED = "training: crashed -> restart"
 RESTART_MISSED = "training: crash not restarted -> restart"
-DEFAULT_DEPLOYMENTS = ("train/default", "retrain/nightly")
+DEFAULT_DEPLOYMENTS = ("train/default", "retrain/nightly", "sweep/default")
 HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 RESTART_DEBOUNCE_SECONDS = 45.0  # > the ~20 s between a death's two Crashed reports; < any heartbeat window
 MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency

@@ -49,7 +49,7 @@ def begin() -> None:
 def start(module: str, argv: list[str]) -> None:
     """What command ``module`` with flags ``argv`` does first: answer ``--help`` or a configuration mistake and
     exit, else start the temporary server unless a Prefect server is configured or running."""
-    atexit.register(_exit_without_teardown)  # registered first: runs after every other exit handler
+    atexit.register(exit_without_teardown)  # registered first: runs after every other exit handler
     from flows import cli, server
     from flows.options import RetrainOptions, sweep_options
 
@@ -62,7 +62,7 @@ def start(module: str, argv: list[str]) -> None:
     server.start_early()
 
 
-def _exit_without_teardown() -> None:
+def exit_without_teardown() -> None:
     """Ends the command once every exit handler has run (logs and events shipped, the temporary server stopped,
     rank processes gone, files closed by their finalizers), skipping the interpreter's teardown of its modules:
     freeing torch's and Prefect's objects one by one took ~1 s here, after the result was printed (mypy's

@@ -30,6 +30,7 @@ def sweep_config(scheduler: str, **overrides: Any) -> SweepConfig:
         "num_samples": 4,
         "scheduler": scheduler,
         "seed": 3,
+        "metric": "loss",  # what FakeTrainer reports
     }
     return SweepConfig(**(values | overrides))
 

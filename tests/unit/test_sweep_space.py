@@ -123,6 +123,14 @@ def test_a_trial_config_is_the_base_run_with_its_parameters_under_the_sweep_fold
     exploited = config.trial_config(params, "t000-e1", target_units=3, load_path="memory://x/copy")
     assert exploited.load_path == "memory://x/copy" and exploited.load_weights_only is False
     assert exploited.max_duration == "6ep" and config.units_total() == 3
+    assert trial.eval_each_unit  # the schedulers compare units: each one ends with an evaluation
+
+
+def test_a_base_run_with_its_own_eval_interval_keeps_it() -> None:
+    config = sweep(train=TrainConfig(save_folder="memory://sweeps", max_duration="6ep", save_interval="2ep",
+                                     eval_interval="1ep"))  # fmt: skip
+    trial = config.trial_config(trial_parameters(config.space, 1, 0)[0], "t000", target_units=1)
+    assert trial.eval_interval == "1ep" and not trial.eval_each_unit
 
 
 def test_a_parameter_the_run_refuses_is_one_error_naming_the_trial() -> None:

@@ -45,7 +45,13 @@ class SweepConfig(BaseModel):
         description="fifo: every trial runs its whole budget; asha: successive halving at rungs of units; "
         "pbt: population based training, synchronous generations.",
     )
-    metric: str = Field("loss", min_length=1, max_length=200, description="The unit metric the scheduler compares.")
+    metric: str = Field(
+        "eval_loss",
+        min_length=1,
+        max_length=200,
+        description="The unit metric the scheduler compares: eval_<name> for what the recipe's evaluate() returns "
+        "(trials evaluate after every unit unless train.eval_interval says otherwise), or train_loss.",
+    )
     mode: Literal["min", "max"] = Field(
         "min", description="Whether a lower ('min') or higher ('max') metric is better."
     )
@@ -132,6 +138,8 @@ class SweepConfig(BaseModel):
             run_name=run_name,
             max_duration=self.segment_duration(target_units),
         )
+        if fields.get("eval_interval") is None:  # the schedulers compare units: each one ends with an evaluation
+            fields["eval_each_unit"] = True
         if load_path is not None:
             fields.update(load_path=load_path, load_weights_only=False)
         try:
