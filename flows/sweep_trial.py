@@ -53,7 +53,10 @@ def main(argv: list[str]) -> int:
         write_result(result, result_file)
         return done_line(result)
 
-    cli.exit_code = cli.run_checked(train, config, {}, done, verbose=False)
+    from prefect import tags
+
+    with tags(str(spec.get("tag") or "sweep-trial")):  # the trial task ends this flow run if the process dies
+        cli.exit_code = cli.run_checked(train, config, {}, done, verbose=False)
     return cli.exit_code
 
 

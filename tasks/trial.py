@@ -21,11 +21,25 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
 from prefect.logging import get_run_logger
+from prefect.states import Crashed
 from pydantic import BaseModel
 
 from checkpointing.snapshots import INTERMEDIATE
@@ -40,6 +54,10 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 EXIT_STOPPED = (130, 143)
 UNTRUSTED_ENV = "SWEEP_TRIAL_UNTRUSTED"  # set by the sweep: this trial's parameters came from a deployment run's API
 _TAIL = 2000  # characters of a failed child's stderr kept for its message
+PROCESS_DIED = (
+    "ProcessDied"  # the state of a dead trial process's flow run: not Crashed, which restart automations watch
+)
+_UNFINISHED = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]
 
 
 class TrialStopped(RuntimeError, Permanent):
@@ -112,8 +130,9 @@ def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> Segment
     with tempfile.TemporaryDirectory(prefix="trial-") as folder:
         spec, result = os.path.join(folder, "spec.json"), os.path.join(folder, "result.json")
         fields = config.model_dump(mode="json", exclude={"storage_options", "config_file"})
+        tag = f"sweep-trial-{uuid.uuid4().hex[:12]}"  # finds the child's flow run if the child dies
         with open(os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            json.dump({"config": fields, "result_file": result}, f)
+            json.dump({"config": fields, "result_file": result, "tag": tag}, f)
         code, stderr = _run_child(spec, _child_env(config, recipe_path, untrusted))
         if code == EXIT_OK:
             with open(result) as f:
@@ -130,7 +149,28 @@ def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> Segment
         raise TrialStopped(f"trial run {config.run_name} stopped on request (exit {code})")
     if code in (EXIT_FAILED, EXIT_CONFIG):
         raise TrialFailed(f"trial run {config.run_name} did not complete (exit {code}): {_last_error(tail)}")
+    end_dead_flow_runs(tag, f"the process of trial run {config.run_name} died (exit {code}); the retry resumes the run")
     raise TrialDied(f"trial run {config.run_name}'s process died (exit {code}); a retry resumes it: {tail[-300:]}")
+
+
+def end_dead_flow_runs(tag: str, message: str) -> None:
+    """A killed process leaves its flow run (and the unit's task run) Running in the UI for ever: nothing else
+    ends them. They are set Crashed, named ProcessDied (the retry's new flow run takes the run over). A report
+    only: an API failure is a warning."""
+    unfinished_runs = FlowRunFilterState(type=FlowRunFilterStateType(any_=_UNFINISHED))
+    unfinished_tasks = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=_UNFINISHED)))
+    try:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag]), state=unfinished_runs)
+            )
+            for run in runs:
+                only_this = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
+                for task_run in client.read_task_runs(flow_run_filter=only_this, task_run_filter=unfinished_tasks):
+                    client.set_task_run_state(task_run.id, Crashed(name=PROCESS_DIED, message=message), force=True)
+                client.set_flow_run_state(run.id, Crashed(name=PROCESS_DIED, message=message), force=True)
+    except Exception as exc:
+        get_run_logger().warning("could not end the dead trial process's flow run in Prefect: %s", exc)
 
 
 def _run_child(spec: str, env: dict[str, str]) -> tuple[int, str]:
