@@ -56,7 +56,11 @@ def start(module: str, argv: list[str]) -> None:
     argv = [a for a in argv if a not in cli.VERBOSE_FLAGS]
     try:
         options = RetrainOptions if module == "flows.retrain" else sweep_options() if module == "flows.sweep" else None
-        cli.parse(argv, options)  # --help prints and exits 0 here
+        own, config = cli.parse(argv, options)  # --help prints and exits 0 here
+        if module == "flows.sweep":  # the search space and the budget's units too, before a server starts
+            from training.sweep.config import SweepConfig
+
+            SweepConfig(train=config, **own)
     except cli.CONFIG_ERRORS as exc:
         sys.exit(cli.fail(cli.config_error(exc, argv), 2))
     server.start_early()
