@@ -8,6 +8,7 @@ whose spec changed.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,8 +37,11 @@ class SweepConfig(BaseModel):
     )
     num_samples: int = Field(1, ge=1, le=MAX_TRIALS, description="Trials per grid combination (Ray Tune's name).")
     max_concurrent_trials: int = Field(2, ge=1, le=64, description="Trials that train at once (Ray Tune's name).")
-    search_alg: Literal["random"] = Field(
-        "random", description="random: the grid's combinations with the other values drawn from a seeded generator."
+    search_alg: Literal["random", "optuna"] = Field(
+        "random",
+        description="random: the grid's combinations with the other values drawn from a seeded generator; "
+        "optuna: each new trial's values suggested by Optuna's TPE sampler from the results so far (pip install "
+        "'resumable-train[optuna]'; no grid, no pbt).",
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the search's draws and of PBT's choices.")
     scheduler: Literal["fifo", "asha", "pbt"] = Field(
@@ -97,7 +101,29 @@ class SweepConfig(BaseModel):
             raise ValueError(
                 f"train.resume_from={self.train.resume_from!r} would roll every trial back: leave it out of a sweep"
             )
+        if self.search_alg == "optuna":
+            self._check_optuna()
         return self
+
+    def _check_optuna(self) -> None:
+        """search_alg='optuna' needs the package, a space without grid and a scheduler that starts trials one by one."""
+        grids = sorted(key for key, spec in self.space.items() if "grid" in spec)
+        if grids:
+            raise ValueError(
+                f"search_alg='optuna' with a grid at {', '.join(grids)}: Optuna's sampler suggests every value "
+                f"itself; give {grids[0]} {{'choice': {self.space[grids[0]]['grid']!r}}}, or keep the grid with "
+                f"search_alg='random'"
+            )
+        if self.scheduler == "pbt":
+            raise ValueError(
+                "search_alg='optuna' with scheduler='pbt': PBT starts its whole population at once and explores by "
+                "perturbing, so there is nothing to suggest; use scheduler='fifo' or 'asha', or search_alg='random'"
+            )
+        if importlib.util.find_spec("optuna") is None:
+            raise ValueError(
+                "search_alg='optuna': the optuna package is not installed; pip install 'resumable-train[optuna]', "
+                "or use search_alg='random'"
+            )
 
     def units_total(self) -> int:
         """``train.max_duration`` in units of ``train.save_interval``."""

@@ -5,6 +5,8 @@ priority order) and whether the sweep is done. It is a pure function of the stud
 plans again, and since every rule reads results in trial order rather than arrival order (ASHA's rungs evaluated
 prefix by prefix, PBT's generations synchronous), a sweep killed anywhere makes the decisions an uninterrupted one
 makes. Segments already started are never planned again: ``unfinished_segments`` gives them to a relaunch.
+With ``search_alg='optuna'`` trials are not created up front but one by one as slots free (training/sweep/
+optuna_search.py suggests each from the results so far); ASHA's rung 0 still takes them in index order.
 
 - FIFO: every trial trains its whole budget.
 - ASHA (deterministic): rungs at grace_period * reduction_factor**k units below the budget, and the budget. At rung
@@ -74,11 +76,46 @@ def plan(study: Study, config: SweepConfig) -> Plan:
     result = Plan()
     if study.spec is None:
         _decide(study, result, "sweep_started", {"sweep_name": config.sweep_name, "spec": config.spec()})
-    if not study.trials:
-        every = trial_parameters(config.space, config.num_samples, config.seed)
-        for index, params in enumerate(every):
-            body = {"trial": trial_name(index, len(every)), "index": index, "params": params}
-            _decide(study, result, "trial_created", body)
+    if config.search_alg == "optuna":  # trials created one by one as slots free, the scheduler's decisions first
+        _schedule(study, config, result)
+        if _create_lazily(study, config, result):
+            _schedule(study, config, result)
+            result.warnings = list(dict.fromkeys(result.warnings))  # the second pass repeats the first's
+    else:
+        if not study.trials:
+            every = trial_parameters(config.space, config.num_samples, config.seed)
+            for index, params in enumerate(every):
+                body = {"trial": trial_name(index, len(every)), "index": index, "params": params}
+                _decide(study, result, "trial_created", body)
+        _schedule(study, config, result)
+    _finish(study, config, result)
+    return result
+
+
+def _create_lazily(study: Study, config: SweepConfig, result: Plan) -> bool:
+    """search_alg='optuna': a trial suggested from the results so far while fewer than max_concurrent_trials are
+    running or runnable, up to num_samples (training/sweep/optuna_search.py). Whether it created one."""
+    from training.sweep.optuna_search import suggest  # optuna is an optional extra: imported when used
+
+    created = False
+    while len(study.trials) < config.num_samples:
+        active = sum(1 for t in study.trials.values() if t.state in ("pending", "running"))
+        if active >= config.max_concurrent_trials:
+            break
+        index = len(study.trials)
+        body = {"trial": trial_name(index, config.num_samples), "index": index}
+        _decide(study, result, "trial_created", body | {"params": suggest(study, config, index)})
+        created = True
+    return created
+
+
+def _all_created(study: Study, config: SweepConfig) -> bool:
+    """Whether no trial is left to create (search_alg='optuna' creates them as slots free)."""
+    return config.search_alg != "optuna" or len(study.trials) >= config.num_samples
+
+
+def _schedule(study: Study, config: SweepConfig, result: Plan) -> None:
+    """The scheduler's decisions and jobs for the trials created so far."""
     if config.scheduler == "fifo":
         _fifo(study, config, result)
     elif config.scheduler == "asha":
@@ -91,8 +128,6 @@ def plan(study: Study, config: SweepConfig) -> Plan:
                 _decide(study, result, kind, body)
         exploiting = {body["trial"] for kind, body in result.decisions if kind == "exploit"}
         result.jobs = [job_of(t, target) for t, target in pbt_jobs(study, config) if t.name not in exploiting]
-    _finish(study, config, result)
-    return result
 
 
 def _decide(study: Study, result: Plan, kind: str, body: dict[str, Any]) -> None:
@@ -101,7 +136,8 @@ def _decide(study: Study, result: Plan, kind: str, body: dict[str, Any]) -> None
 
 
 def _finish(study: Study, config: SweepConfig, result: Plan) -> None:
-    result.done = bool(study.trials) and all(t.state in ENDED for t in study.trials.values())
+    result.done = bool(study.trials) and _all_created(study, config)
+    result.done = result.done and all(t.state in ENDED for t in study.trials.values())
     if not result.done or study.finished is not None:
         return
     best = study.best(config.metric, config.mode)
@@ -186,7 +222,7 @@ def _asha(study: Study, config: SweepConfig, result: Plan) -> None:
     waiting = [t for t in study.by_index() if t.state == "pending"]
     waiting.sort(key=lambda t: (-t.rung, order.get(t.name, t.index)))
     result.jobs = [job_of(t, milestones[t.rung]) for t in waiting]
-    if not result.jobs and not study.running():
+    if not result.jobs and not study.running() and _all_created(study, config):
         for trial in study.by_index():
             if trial.state == "paused":
                 reason = f"not promoted at rung {trial.rung} ({milestones[trial.rung]} units)"
