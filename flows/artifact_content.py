@@ -192,14 +192,16 @@ def sparkline(values: list[float], width: int = 24) -> str:
     return "".join(SPARK[round((v - low) * scale)] for v in values)
 
 
-def curve_svg(series: dict[str, list[tuple[int, float]]], title: str, width: int = 560, panel: int = 150) -> str:
-    """One panel per series (own y scale: a loss and an accuracy do not share an axis), step on x."""
+def curve_svg(
+    series: dict[str, list[tuple[int, float]]], title: str, width: int = 560, panel: int = 150, x_label: str = "step"
+) -> str:
+    """One panel per series (own y scale: a loss and an accuracy do not share an axis), ``x_label`` (step) on x."""
     parts = [
         '<rect width="100%" height="100%" fill="white"/>',
         f'<text x="8" y="18" font-size="13">{html.escape(title)}</text>',
     ]
     for i, (name, points) in enumerate(series.items()):
-        parts.append(_panel(name, thinned(points), top=28 + i * panel, width=width, height=panel))
+        parts.append(_panel(name, thinned(points), top=28 + i * panel, width=width, height=panel, x_label=x_label))
     height = 28 + panel * max(len(series), 1)
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -213,7 +215,7 @@ def log_axis(ys: list[float]) -> bool:
     return bool(ys) and min(ys) > 0 and max(ys) / min(ys) > 10
 
 
-def _panel(name: str, points: list[tuple[int, float]], top: int, width: int, height: int) -> str:
+def _panel(name: str, points: list[tuple[int, float]], top: int, width: int, height: int, x_label: str) -> str:
     left, right, bottom = 64, 16, top + height - 30
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
@@ -234,14 +236,14 @@ def _panel(name: str, points: list[tuple[int, float]], top: int, width: int, hei
     path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
     dots = "".join(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5"/>' for x, y in points[-60:])
     return (
-        f'<text x="{left}" y="{top + 14}" font-size="12">{html.escape(label)}: {ys[-1]:.4g} at step {xs[-1]}'
+        f'<text x="{left}" y="{top + 14}" font-size="12">{html.escape(label)}: {ys[-1]:.4g} at {x_label} {xs[-1]}'
         f"{' (log scale)' if log else ''}</text>"
         f'<line x1="{left}" y1="{plot_top}" x2="{left}" y2="{bottom}" stroke="black"/>'
         f'<line x1="{left}" y1="{bottom}" x2="{width - right}" y2="{bottom}" stroke="black"/>'
         f'<text x="{left - 4}" y="{plot_top + 4}" text-anchor="end">{y1:.3g}</text>'
         f'<text x="{left - 4}" y="{bottom}" text-anchor="end">{y0:.3g}</text>'
         f'<text x="{left}" y="{bottom + 14}" text-anchor="middle">{x0}</text>'
-        f'<text x="{width - right}" y="{bottom + 14}" text-anchor="end">step {x1}</text>'
+        f'<text x="{width - right}" y="{bottom + 14}" text-anchor="end">{x_label} {x1}</text>'
         f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{path}"/>'
         f'<g fill="{color}">{dots}</g>'
     )

@@ -53,14 +53,18 @@ class SweepResult(BaseModel):
     summary: dict[str, Any]  # the study's summary: equal for two sweeps that made the same decisions
 
 
+def sweep_artifact_key(sweep_name: str, what: str) -> str:
+    """``sweep-<name>-<what>``: Prefect's artifact keys take lowercase letters, digits and dashes only."""
+    return "sweep-" + artifact_key(sweep_name, what).removeprefix("train-")
+
+
 class SweepReport:
     """The cards of one flow run of ``sweep``, and the figures of its result."""
 
     def __init__(self, config: SweepConfig, folder: str):
         self.config, self.folder = config, folder
-        slug = config.sweep_name
-        self.table = Card(artifact_key(slug, "sweep-trials").replace("train-", "sweep-", 1), "table")
-        self.curves = Card(artifact_key(slug, "sweep-curves").replace("train-", "sweep-", 1), "markdown")
+        self.table = Card(sweep_artifact_key(config.sweep_name, "trials"), "table")
+        self.curves = Card(sweep_artifact_key(config.sweep_name, "curves"), "markdown")
         self._warned: set[str] = set()
 
     def warn(self, text: str) -> None:
@@ -106,7 +110,7 @@ class SweepReport:
 
     def _row(self, s: TrialSummary) -> dict[str, Any]:
         row: dict[str, Any] = {"trial": s.trial, "state": s.state, "run": s.run_name, "units": s.units}
-        row.update({k: cell(v) for k, v in s.params.items()})
+        row.update({k: float(f"{v:.4g}") if isinstance(v, float) else cell(v) for k, v in s.params.items()})
         row[self.config.metric] = s.value
         row["exploits"] = len(s.lineage)
         return row
@@ -126,7 +130,7 @@ class SweepReport:
             "|---|---|",
             *(f"| {n} | {sparkline([v for _, v in p])} |" for n, p in series.items()),
         ]
-        svg = curve_svg(series, f"sweep {self.config.sweep_name}: {self.config.metric} by unit")
+        svg = curve_svg(series, f"sweep {self.config.sweep_name}: {self.config.metric} by unit", x_label="unit")
         return "\n".join([*lines, "", svg_image(svg, f"{self.config.metric} per trial")])
 
     # -- the result ---------------------------------------------------------------------------------
