@@ -35,7 +35,12 @@ class SweepConfig(BaseModel):
         description="The search space: {'recipe_args.<name>' or an option: {'grid'|'choice'|'uniform'|'loguniform'|"
         "'randint': [values]}} (Ray Tune's grid_search, choice, uniform, loguniform, randint)."
     )
-    num_samples: int = Field(1, ge=1, le=MAX_TRIALS, description="Trials per grid combination (Ray Tune's name).")
+    num_samples: int = Field(
+        1,
+        ge=1,
+        le=MAX_TRIALS,
+        description="Trials per grid combination (Ray Tune's name); with search_alg='optuna', the number of trials.",
+    )
     max_concurrent_trials: int = Field(2, ge=1, le=64, description="Trials that train at once (Ray Tune's name).")
     search_alg: Literal["random", "optuna"] = Field(
         "random",
