@@ -45,6 +45,7 @@ TEST_RECIPES = ",".join(
         "tests.own_loop_recipes:FlakyOwnLoopRecipe,tests.own_loop_recipes:ShortLoopRecipe",
         "tests.own_loop_recipes:SignalledLoopRecipe",
         "tests.own_loop_recipes:SlowRayPortRecipe",
+        "tests.recipes_for_tests:SteadySyntheticRecipe",
     ]
 )
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES

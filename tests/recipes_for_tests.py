@@ -291,3 +291,17 @@ class _PidRecording:
         with open(os.path.join(self.record_dir, "pids.txt"), "a") as f:
             f.write(f"{os.getpid()}\n")
         return self.dataset[i]
+
+
+class SteadySyntheticRecipe(SyntheticRecipe):
+    """The synthetic recipe (a real eval metric) whose every step takes at least ``step_seconds``: a sweep's trials
+    are still training when a test kills or stops them, without any file written per step."""
+
+    def __init__(self, step_seconds: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.step_seconds = step_seconds
+
+    def on_train_batch(self, sample_ids: list[int]) -> None:
+        import time
+
+        time.sleep(self.step_seconds)

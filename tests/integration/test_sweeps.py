@@ -1,0 +1,241 @@
+"""A sweep (python -m flows.sweep, ASHA) in real processes, really killed: SIGKILLed at random moments and launched
+again with the same command, a trial's process SIGKILLed mid-unit, a SIGTERM to the sweep. Each time the sweep ends
+deciding exactly what an uninterrupted sweep decided, with its best weights, and no trial run starts over: every
+trial's run logs "no checkpoint" once, unless it was killed before it had committed anything.
+
+4 trials, 2 at a time, rungs at 1, 2 and 4 units (grace_period 1, reduction_factor 2): 7 trial segments, each a
+process of its own; a unit is an epoch of 8 steps of at least STEP_SECONDS, so the trials are training when killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore, Ledger, open_checkpoint_uri
+from checkpointing.io.storage import Storage
+from checkpointing.store import STATE_FILE
+from deployments.stack import descendants
+from tests.conftest import ROOT
+from tests.procs import alive, cmdline
+from training.sweep import Study
+
+pytestmark = pytest.mark.slow
+NAME = "sw"
+STEP_SECONDS = 0.1
+ARGS = {"num_samples": 256, "step_seconds": STEP_SECONDS}  # 8 steps of 32 samples a unit
+TIMINGS = ("samples_per_second", "train_seconds")  # a unit's speed: differs between any two runs
+
+
+def command(save_folder: Path | str, scheduler: str = "asha", **options: object) -> list[str]:
+    flags = {
+        "recipe": "tests.recipes_for_tests:SteadySyntheticRecipe",
+        "recipe_args": json.dumps(ARGS),
+        "max_duration": "4ep",
+        "save_interval": "1ep",
+        "global_batch_size": 32,
+        "seed": 7,
+        "save_folder": str(save_folder),
+        "sweep_name": NAME,
+        "space": json.dumps({"recipe_args.lr": {"loguniform": [0.001, 0.1]}}),
+        "num_samples": 4,
+        "max_concurrent_trials": 2,
+        "eval_each_unit": "true",
+        "metric": "eval_accuracy",
+        "mode": "max",
+        "scheduler": scheduler,
+        "grace_period": 1,
+        "reduction_factor": 2,
+        **options,
+    }
+    return [sys.executable, "-m", "flows.sweep", *(a for k, v in flags.items() for a in (f"--{k}", str(v)))]
+
+
+class Launch:
+    """One `python -m flows.sweep` process (a session of its own: nothing of it outlives the test), its output,
+    and every trial process seen below it."""
+
+    def __init__(self, folder: Path, env: dict[str, str], log: Path):
+        self.folder, self.log = folder, log
+        self._out = open(log, "w")  # noqa: SIM115 - the sweep and its trials write it until they exit
+        self.proc = subprocess.Popen(
+            command(folder), cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.trials: set[int] = set()
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def trial_processes(self) -> dict[int, str]:
+        """The live trial processes below the sweep, by pid: the run each trains (from its spec file)."""
+        found = {}
+        for pid in descendants(self.proc.pid):
+            argv = cmdline(pid).split(b"\0")
+            if b"flows.sweep_trial" in argv:
+                self.trials.add(pid)
+                try:
+                    found[pid] = json.loads(Path(argv[argv.index(b"flows.sweep_trial") + 1].decode()).read_text())
+                except (OSError, ValueError, IndexError):
+                    continue
+        return {pid: spec["config"]["run_name"] for pid, spec in found.items()}
+
+    def wait_until(self, predicate, what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.trial_processes()
+            assert self.proc.poll() is None, f"the sweep ended before {what}:\n{self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        """SIGKILL to the sweep's process alone: its trials must die with it (PR_SET_PDEATHSIG)."""
+        self.trial_processes()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        assert self.proc.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while [p for p in self.trials if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in self.trials if alive(p)], "a trial process outlived its killed sweep"
+
+    def finish(self, timeout: float = 600) -> str:
+        code = self.proc.wait(timeout=timeout)
+        self.close()
+        assert code == 0, self.text()[-4000:]
+        return self.text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._out.close()
+
+
+def events(folder: Path) -> list:
+    return Ledger(Storage(str(folder / NAME))).read()
+
+
+def summary(folder: Path) -> dict:
+    """The sweep's decisions, with its folder written as <sweep> and the units' wall-clock figures left out: two
+    sweeps in two folders compare equal (every other metric, the eval ones included, must be bit-identical)."""
+    text = json.dumps(Study.fold(events(folder)).summary(), sort_keys=True)
+    decided = json.loads(text.replace(str(folder / NAME), "<sweep>"))
+    for trial in decided["trials"]:
+        for unit in trial["units"]:
+            unit["metrics"] = {k: v for k, v in unit["metrics"].items() if k not in TIMINGS}
+    return decided
+
+
+def best_weights(folder: Path) -> dict[str, torch.Tensor]:
+    best = Study.fold(events(folder)).finished
+    assert best is not None and str(folder / NAME) in best["best_checkpoint"], best
+    return open_checkpoint_uri(best["best_checkpoint"], files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"]
+
+
+def starts(text: str, run: str) -> list[str]:
+    """What each start of ``run`` logged: "no checkpoint", or "checkpoint <name>"."""
+    return re.findall(rf"run {re.escape(run)} in \S+: (no checkpoint|checkpoint \S+); training to", text)
+
+
+def committed(folder: Path, run: str) -> dict | None:
+    """The progress of the run's newest committed checkpoint (None: none yet)."""
+    info = CheckpointStore(str(folder / NAME), run).latest()
+    return dict(info.progress) if info is not None else None
+
+
+def units_trained(folder: Path) -> int:
+    return sum(e.body.get("units_trained", 0) for e in events(folder) if e.kind == "segment_finished")
+
+
+def rung_budget(reference: dict) -> int:
+    """The units ASHA must train: each trial up to the highest rung it reached, once."""
+    return sum(t["units"][-1]["unit"] for t in reference["trials"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prefect_env) -> dict:
+    """An uninterrupted sweep: its decisions, best weights, output, units trained and wall time."""
+    base = tmp_path_factory.mktemp("reference")
+    t0 = time.monotonic()
+    launch = Launch(base / "runs", prefect_env, base / "sweep.log")
+    text = launch.finish()
+    seconds = time.monotonic() - t0
+    return {
+        "summary": summary(base / "runs"),
+        "best": best_weights(base / "runs"),
+        "text": text,
+        "units_trained": units_trained(base / "runs"),
+        "seconds": seconds,
+    }
+
+
+def test_the_reference_sweep_runs_7_segments_and_trains_each_unit_once(reference):
+    decided = reference["summary"]
+    assert [t["trial"] for t in decided["trials"]] == ["t000", "t001", "t002", "t003"]
+    reached = sorted(t["units"][-1]["unit"] for t in decided["trials"])
+    assert reached == [1, 1, 2, 4], decided  # ASHA's rungs: 4 trials to 1 unit, 2 to 2, 1 to 4
+    assert all(t["state"] in ("stopped", "completed") for t in decided["trials"])
+    assert reference["units_trained"] <= 1.05 * rung_budget(decided)  # paused and resumed, never retrained
+    for trial in decided["trials"]:
+        assert starts(reference["text"], trial["run_name"]).count("no checkpoint") == 1
+
+
+def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, prefect_env, reference):
+    folder, chance = tmp_path / "runs", random.Random(35)
+    span = reference["seconds"]
+    texts: list[str] = []
+    before_kill: list[dict[str, bool]] = []  # per killed launch: which runs had a checkpoint when it died
+
+    def segments_finished() -> int:
+        return sum(1 for e in events(folder) if e.kind == "segment_finished") if (folder / NAME).exists() else 0
+
+    moments = ["delay", "training", "segment finished", "delay", "event"]
+    for i, moment in enumerate(moments):
+        launch = Launch(folder, prefect_env, tmp_path / f"launch{i}.log")
+        try:
+            if moment == "delay":  # anywhere: the sweep's start, a trial's start, its training, the ledger
+                deadline = time.monotonic() + chance.uniform(1.0, 0.3 * span)
+                launch.wait_until(lambda d=deadline: time.monotonic() > d, f"kill {i}")
+            elif moment == "training":  # while a trial trains: after its start line, within a unit's steps
+                launch.wait_until(lambda la=launch: "; training to" in la.text(), "a trial training")
+                deadline = time.monotonic() + chance.uniform(0.0, 8 * STEP_SECONDS)
+                launch.wait_until(lambda d=deadline: time.monotonic() > d, f"kill {i}")
+            elif moment == "segment finished":  # right after a segment's result was committed
+                seen = segments_finished()
+                launch.wait_until(lambda s=seen: segments_finished() > s, "a segment finishing")
+            else:  # right after the ledger gained any event
+                seen = len(events(folder)) if (folder / NAME).exists() else 0
+                launch.wait_until(lambda s=seen: (folder / NAME).exists() and len(events(folder)) > s, "an event")
+            launch.kill()
+        finally:
+            launch.close()
+        texts.append(launch.text())
+        runs = [t["run_name"] for t in Study.fold(events(folder)).summary()["trials"]]
+        before_kill.append({run: committed(folder, run) is not None for run in runs})
+    last = Launch(folder, prefect_env, tmp_path / "last.log")
+    texts.append(last.finish())
+
+    assert summary(folder) == reference["summary"]
+    best = best_weights(folder)
+    assert best.keys() == reference["best"].keys()
+    assert all(torch.equal(best[k], reference["best"][k]) for k in best)
+    for trial in reference["summary"]["trials"]:
+        run = trial["run_name"]
+        logged = [starts(text, run) for text in texts]
+        for i, had in enumerate(before_kill):  # a run that had committed starts from its checkpoint ever after
+            if had.get(run):
+                assert "no checkpoint" not in [s for later in logged[i + 1 :] for s in later], (run, i, logged)
+        # from nothing once, plus once more for each launch killed before the run had committed anything
+        restarted = sum(1 for i, had in enumerate(before_kill) if "no checkpoint" in logged[i] and not had.get(run))
+        assert sum(s.count("no checkpoint") for s in logged) == 1 + restarted, (run, logged, before_kill)
+    # each kill costs at most the unit each running trial was in, never a finished unit
+    assert units_trained(folder) <= reference["units_trained"] + 2 * len(moments)
