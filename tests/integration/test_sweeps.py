@@ -239,3 +239,31 @@ def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, p
         assert sum(s.count("no checkpoint") for s in logged) == 1 + restarted, (run, logged, before_kill)
     # each kill costs at most the unit each running trial was in, never a finished unit
     assert units_trained(folder) <= reference["units_trained"] + 2 * len(moments)
+
+
+def test_a_killed_trial_process_is_retried_and_resumes(tmp_path, prefect_env, reference):
+    folder = tmp_path / "runs"
+    launch = Launch(folder, prefect_env, tmp_path / "sweep.log")
+    try:
+        last = [None]
+
+        def last_segment_started() -> bool:  # the trial ASHA takes to 4 units, from its unit-2 checkpoint
+            found = [e for e in events(folder) if e.kind == "segment_started" and e.body["target_units"] == 4]
+            last[0] = found[0].body["run_name"] if found else None
+            return last[0] is not None
+
+        launch.wait_until(lambda: (folder / NAME).exists() and last_segment_started(), "the segment to 4 units")
+        run = last[0]
+        launch.wait_until(lambda: (committed(folder, run) or {}).get("step", 0) >= 24, f"{run}'s unit 3 committed")
+        pids = [pid for pid, name in launch.trial_processes().items() if name == run]
+        assert len(pids) == 1, launch.trial_processes()
+        os.kill(pids[0], signal.SIGKILL)
+        text = launch.finish()
+    finally:
+        launch.close()
+    assert not alive(pids[0])
+    assert starts(text, run) == ["no checkpoint", "checkpoint ep1-ba8-sa256", "checkpoint ep2-ba16-sa512",
+                                 "checkpoint ep3-ba24-sa768"], text[-4000:]  # fmt: skip
+    last_segment = [e.body for e in events(folder) if e.kind == "segment_finished" and e.body["run_name"] == run][-1]
+    assert last_segment["units_trained"] == 1 and last_segment["started_from"] == "checkpoint ep3-ba24-sa768"
+    assert summary(folder) == reference["summary"]
