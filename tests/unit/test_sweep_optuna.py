@@ -55,7 +55,7 @@ def distances(search_alg: str, seed: int) -> list[float]:
     """|x - OPTIMUM| of 20 trials in creation order, one at a time, each trained 1 unit."""
     train = TrainConfig(save_folder="memory://sweeps", max_duration="1ba", save_interval="1ba")
     space = {"recipe_args.x": {"uniform": [-5.0, 5.0]}}
-    config = optuna_config(train=train, space=space, search_alg=search_alg, num_samples=20, seed=seed)
+    config = optuna_config(train=train, space=space, search_alg=search_alg, num_samples=20, search_seed=seed)
     study = Sweep(config, QuadraticTrainer()).run(random.Random(0), slots=1)
     return [abs(t.params["recipe_args.x"] - OPTIMUM) for t in study.by_index()]
 

@@ -29,7 +29,7 @@ def sweep_config(scheduler: str, **overrides: Any) -> SweepConfig:
         "space": {"recipe_args.lr": {"loguniform": [1e-4, 1e-1]}, "recipe_args.width": {"grid": [1, 2]}},
         "num_samples": 4,
         "scheduler": scheduler,
-        "seed": 3,
+        "search_seed": 3,
         "metric": "loss",  # what FakeTrainer reports
     }
     return SweepConfig(**(values | overrides))

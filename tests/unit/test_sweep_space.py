@@ -144,8 +144,10 @@ def test_the_spec_leaves_out_what_may_change_between_launches_and_names_what_did
     assert first == sweep(max_concurrent_trials=8, trial_retries=5).spec()
     assert set(first["train"]) == {"recipe", "recipe_args", "seed", "shuffle", "save_interval", "max_duration",
                                    "global_batch_size"}  # fmt: skip
-    changed = sweep(seed=1, train=TrainConfig(save_folder="memory://sweeps", max_duration="8ep", save_interval="2ep"))
-    assert spec_differences(first, changed.spec()) == ["seed", "train.max_duration"]
+    changed = sweep(
+        search_seed=1, train=TrainConfig(save_folder="memory://sweeps", max_duration="8ep", save_interval="2ep")
+    )
+    assert spec_differences(first, changed.spec()) == ["search_seed", "train.max_duration"]
 
 
 def test_a_sweep_config_round_trips_through_json_as_a_flow_parameter_does() -> None:

@@ -48,7 +48,12 @@ class SweepConfig(BaseModel):
         "optuna: each new trial's values suggested by Optuna's TPE sampler from the results so far (pip install "
         "'resumable-train[optuna]'; no grid, no pbt).",
     )
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the search's draws and of PBT's choices.")
+    search_seed: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="Seed of the search's draws and of PBT's choices (train.seed is the trials' own).",
+    )
     scheduler: Literal["fifo", "asha", "pbt"] = Field(
         "fifo",
         description="fifo: every trial runs its whole budget; asha: successive halving at rungs of units; "

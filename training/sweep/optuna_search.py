@@ -16,8 +16,8 @@ the sweep's study, adds every trial created before (in index order, as it stands
 - pending or running without results: RUNNING (TPE's constant liar steers new suggestions away from them);
 - failed, or ended without a metric: FAIL (TPE ignores it).
 
-The sampler of trial ``index`` is ``TPESampler(seed=sampler_seed(config.seed, index))``: a fresh sampler seeded by
-``config.seed`` alone would draw the same first value at every plan, so each of the random start-up trials (TPE's
+The sampler of trial ``index`` is ``TPESampler(seed=sampler_seed(config.search_seed, index))``: a fresh sampler seeded by
+``config.search_seed`` alone would draw the same first value at every plan, so each of the random start-up trials (TPE's
 first ``n_startup_trials=10``) would get the same parameters. The suggestion is thus a function of the study's
 results and the trial's index: the flow records it in the trial's ``trial_created`` event and a relaunch reads it
 back, so a killed sweep never suggests a created trial again.
@@ -72,7 +72,7 @@ def suggest(study: Study, config: SweepConfig, index: int) -> dict[str, Any]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=sampler_seed(config.seed, index))
+        sampler = optuna.samplers.TPESampler(seed=sampler_seed(config.search_seed, index))
         direction = StudyDirection.MINIMIZE if config.mode == "min" else StudyDirection.MAXIMIZE
         search = optuna.create_study(direction=direction, sampler=sampler)
         for trial in study.by_index():

@@ -83,7 +83,7 @@ def plan(study: Study, config: SweepConfig) -> Plan:
             result.warnings = list(dict.fromkeys(result.warnings))  # the second pass repeats the first's
     else:
         if not study.trials:
-            every = trial_parameters(config.space, config.num_samples, config.seed)
+            every = trial_parameters(config.space, config.num_samples, config.search_seed)
             for index, params in enumerate(every):
                 body = {"trial": trial_name(index, len(every)), "index": index, "params": params}
                 _decide(study, result, "trial_created", body)
@@ -265,7 +265,7 @@ def exploits(study: Study, config: SweepConfig, generation: int, warnings: list[
     for trial in bottom:
         if trial.state == "failed":
             continue
-        rng = random.Random(f"{config.seed}:{generation}:{trial.index}")
+        rng = random.Random(f"{config.search_seed}:{generation}:{trial.index}")
         donor = top[rng.randrange(len(top))]
         before = _params_at(trial, generation)
         found.append(
