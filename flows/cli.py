@@ -43,6 +43,7 @@ def run(
     done: Callable[[Any], str],
     options: type[BaseModel] | None = None,
     check: Callable[[TrainConfig, dict[str, Any]], None] | None = None,
+    subject: Callable[[TrainConfig, dict[str, Any]], str] | None = None,
 ) -> int:
     """Parses ``argv`` into a TrainConfig (and the flow's own ``options``, passed to it as keyword arguments),
     runs ``flow`` and prints ``done(result)``; returns the exit code. A temporary Prefect server that
@@ -51,7 +52,10 @@ def run(
     verbose = any(a in VERBOSE_FLAGS for a in argv)
     argv = [a for a in argv if a not in VERBOSE_FLAGS]
     try:
-        code = _run(flow, argv, done, options, verbose, check or (lambda config, _: check_before_prefect(config)))
+        checks = check or (lambda config, _: check_before_prefect(config))
+        code = _run(
+            flow, argv, done, options, verbose, checks, subject or (lambda config, _: f"run {config.run_name!r}")
+        )
     except KeyboardInterrupt:  # Ctrl-C before the run could stop politely (start-up), or a second one
         code = fail(ABORTED, INTERRUPTED)
     finally:
@@ -110,6 +114,7 @@ def _run(
     options: type[BaseModel] | None,
     verbose: bool,
     check: Callable[[TrainConfig, dict[str, Any]], None],
+    subject: Callable[[TrainConfig, dict[str, Any]], str],
 ) -> int:
     try:
         own, config = parse(argv, options)
@@ -120,16 +125,23 @@ def _run(
     except CONFIG_ERRORS as exc:
         return fail(config_error(exc, argv), 2)
     except (CheckpointError, StorageError) as exc:
-        return fail(f"run {config.run_name!r}: {exc}", 1)
-    return run_checked(flow, config, own, done, verbose)
+        return fail(f"{subject(config, own)}: {exc}", 1)
+    return run_checked(flow, config, own, done, verbose, subject(config, own))
 
 
 def run_checked(
-    flow: Callable[..., Any], config: TrainConfig, own: dict[str, Any], done: Callable[[Any], str], verbose: bool
+    flow: Callable[..., Any],
+    config: TrainConfig,
+    own: dict[str, Any],
+    done: Callable[[Any], str],
+    verbose: bool,
+    subject: str = "",
 ) -> int:
     """Runs ``flow(config, **own)`` as the command line does once the configuration was read and checked: a stop
     request is one line and exit 143 (130 for Ctrl-C), a mistake one line and exit 2, a failure one line and exit 1.
-    A sweep's trial process (flows/sweep_trial.py) runs its run through here too."""
+    A sweep's trial process (flows/sweep_trial.py) runs its run through here too. ``subject`` names what ran in the
+    one line (``run 'demo'``, ``sweep 'lr'``)."""
+    subject = subject or f"run {config.run_name!r}"
     try:
         # A SIGTERM while Prefect starts: leave, saying so. Ctrl-C too, whatever preemption_signals says; from the
         # first signal until exit, the others are ignored (a second Ctrl-C aborts).
@@ -142,14 +154,14 @@ def run_checked(
                 result = flow(config, **own)
     except Preempted as exc:
         code = preemption.exit_code(exc.stop)
-        return fail(f"run {config.run_name!r} {exc.describe()}; run the same command again to resume", code)
+        return fail(f"{subject} {exc.describe()}; run the same command again to resume", code)
     except ConfigError as exc:
         return fail(str(exc), 2)
     except (CheckpointError, StorageError) as exc:
-        return fail(f"run {config.run_name!r}: {exc}", 1)
+        return fail(f"{subject}: {exc}", 1)
     except Exception as exc:
         hint = "" if verbose else " (the traceback is in the flow run's Prefect logs; --verbose prints it here)"
-        return fail(f"run {config.run_name!r} did not complete: {type(exc).__name__}: {exc}{hint}", 1)
+        return fail(f"{subject} did not complete: {type(exc).__name__}: {exc}{hint}", 1)
     print(done(result))
     return 0
 

@@ -52,7 +52,7 @@ class SweepStopped(Preempted):
     """The sweep stopped on request: its running trials committed where they stood and the ledger holds the rest."""
 
     def describe(self) -> str:
-        return f"{self.stop.reason}: the sweep stopped; {self.note}"
+        return f"{self.stop.reason}: stopped; {self.note}"
 
 
 def sweep_flow(config: SweepConfig) -> SweepResult:
@@ -213,8 +213,7 @@ class Sweep:
         while self.running:  # each trial commits where it stands (its own grace) and exits
             self._wait_for_one()
         note = (
-            f"{forwarded} running trial(s) committed where they stood; the ledger {self.ledger.uri} holds the rest: "
-            f"run the same command again to continue"
+            f"{forwarded} running trial(s) committed where they stood, and the ledger {self.ledger.uri} holds the rest"
         )
         raise SweepStopped(stop, self.ledger.uri, 0, None, note=note)
 
@@ -253,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     def run_sweep(config: TrainConfig, **options: Any) -> SweepResult:
         return sweep(SweepConfig(train=config, **options))
 
-    return cli.run(run_sweep, sys.argv[1:] if argv is None else argv, done_line, sweep_options(), check)
+    def subject(config: TrainConfig, options: dict[str, Any]) -> str:
+        return f"sweep {options.get('sweep_name')!r}"
+
+    return cli.run(run_sweep, sys.argv[1:] if argv is None else argv, done_line, sweep_options(), check, subject)
 
 
 if __name__ == "__main__":

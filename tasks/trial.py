@@ -39,10 +39,11 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import StateType
 from prefect.logging import get_run_logger
-from prefect.states import Crashed
+from prefect.states import Cancelled, Crashed, State
 from pydantic import BaseModel
 
 from checkpointing.snapshots import INTERMEDIATE
+from tasks.train_unit import PREEMPTED
 from training.config import TrainConfig
 from training.distributed.processes import die_with_parent
 from training.exceptions import Permanent
@@ -124,7 +125,7 @@ def retry_if_died(task, task_run, state) -> bool:
 
 
 @task(name="trial", task_run_name="{config.run_name}", cache_policy=NO_CACHE, retry_condition_fn=retry_if_died)
-def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> SegmentOutcome:
+def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> SegmentOutcome | State:
     """Train ``config`` (one trial's run, up to its segment's max_duration) in a child process; its checkpoints."""
     logger = get_run_logger()
     with tempfile.TemporaryDirectory(prefix="trial-") as folder:
@@ -145,8 +146,9 @@ def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> Segment
                 started_from=str(reported["started_from"]),
             )
     tail = stderr.strip()[-_TAIL:]
-    if code in EXIT_STOPPED:
-        raise TrialStopped(f"trial run {config.run_name} stopped on request (exit {code})")
+    if code in EXIT_STOPPED:  # Cancelled, named Preempted (as a unit's task run): raised again by the future
+        stopped = f"trial run {config.run_name} stopped on request (exit {code}); the sweep's relaunch resumes it"
+        return Cancelled(name=PREEMPTED, message=stopped, data=TrialStopped(stopped))
     if code in (EXIT_FAILED, EXIT_CONFIG):
         raise TrialFailed(f"trial run {config.run_name} did not complete (exit {code}): {_last_error(tail)}")
     end_dead_flow_runs(tag, f"the process of trial run {config.run_name} died (exit {code}); the retry resumes the run")
