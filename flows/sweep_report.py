@@ -111,7 +111,7 @@ class SweepReport:
     def _row(self, s: TrialSummary) -> dict[str, Any]:
         row: dict[str, Any] = {"trial": s.trial, "state": s.state, "run": s.run_name, "units": s.units}
         row.update({k: float(f"{v:.4g}") if isinstance(v, float) else cell(v) for k, v in s.params.items()})
-        row[self.config.metric] = s.value
+        row[self.config.metric] = None if s.value is None else round(s.value, 4)
         row["exploits"] = len(s.lineage)
         return row
 
