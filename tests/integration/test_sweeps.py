@@ -28,6 +28,7 @@ from checkpointing.store import STATE_FILE
 from deployments.stack import descendants
 from tests.conftest import ROOT
 from tests.procs import alive, cmdline
+from training.preemption import EXIT_CODE
 from training.sweep import Study
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,9 @@ NAME = "sw"
 STEP_SECONDS = 0.1
 ARGS = {"num_samples": 256, "step_seconds": STEP_SECONDS}  # 8 steps of 32 samples a unit
 TIMINGS = ("samples_per_second", "train_seconds")  # a unit's speed: differs between any two runs
+FRESH_UNIT = re.compile(r"unit 0 \(attempt 1\): starting from fresh initialization")
+TRIAL_ERROR = re.compile(r"error: run 't\d{3}'")  # a trial process's own line, passed through the sweep's output
+GRACE = 25.0  # preemption_grace_seconds' default: the trials' grace
 
 
 def command(save_folder: Path | str, scheduler: str = "asha", **options: object) -> list[str]:
@@ -65,11 +69,12 @@ class Launch:
     """One `python -m flows.sweep` process (a session of its own: nothing of it outlives the test), its output,
     and every trial process seen below it."""
 
-    def __init__(self, folder: Path, env: dict[str, str], log: Path):
+    def __init__(self, folder: Path, env: dict[str, str], log: Path, **options: object):
         self.folder, self.log = folder, log
         self._out = open(log, "w")  # noqa: SIM115 - the sweep and its trials write it until they exit
+        cmd = command(folder, **options)
         self.proc = subprocess.Popen(
-            command(folder), cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.trials: set[int] = set()
 
@@ -267,3 +272,58 @@ def test_a_killed_trial_process_is_retried_and_resumes(tmp_path, prefect_env, re
     last_segment = [e.body for e in events(folder) if e.kind == "segment_finished" and e.body["run_name"] == run][-1]
     assert last_segment["units_trained"] == 1 and last_segment["started_from"] == "checkpoint ep3-ba24-sa768"
     assert summary(folder) == reference["summary"]
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory, prefect_env) -> dict:
+    """A sweep SIGTERMed while its first two trials are mid-unit, then launched again to its end."""
+    base = tmp_path_factory.mktemp("preempted")
+    folder = base / "runs"
+    slow = {"recipe_args": json.dumps({**ARGS, "step_seconds": 1.0})}  # 8 s a unit: both first trials mid-unit
+    launch = Launch(folder, prefect_env, base / "stopped.log", **slow)
+    try:
+        launch.wait_until(lambda: len(FRESH_UNIT.findall(launch.text())) == 2, "both first trials training")
+        time.sleep(random.Random(143).uniform(1.0, 3.0))  # a moment within their first unit's steps
+        training = set(launch.trial_processes().values())
+        assert len(training) == 2 and all(committed(folder, run) is None for run in training), training
+        t0 = time.monotonic()
+        launch.proc.send_signal(signal.SIGTERM)
+        code = launch.proc.wait(timeout=GRACE + 30)
+        seconds = time.monotonic() - t0
+    finally:
+        launch.close()
+    stopped = {run: committed(folder, run) for run in training}
+    again = Launch(folder, prefect_env, base / "relaunched.log", **slow).finish()
+    return {"folder": folder, "code": code, "seconds": seconds, "text": launch.text(), "again": again,
+            "stopped": stopped}  # fmt: skip
+
+
+def test_a_preempted_sweep_commits_and_resumes(preempted, reference):
+    text, folder = preempted["text"], preempted["folder"]
+    assert preempted["code"] == EXIT_CODE and preempted["seconds"] < GRACE, (preempted["seconds"], text[-3000:])
+    ours = [line for line in text.splitlines() if line.startswith("error: ") and not TRIAL_ERROR.match(line)]
+    assert len(ours) == 1 and ours[0].startswith(f"error: sweep '{NAME}' preempted by SIGTERM"), text[-3000:]
+    assert "run the same command again" in ours[0]
+    for run, progress in preempted["stopped"].items():  # each stopped where it stood and committed that step
+        stopped = re.search(rf"error: run '{run}' .*?: stopped at step (\d+); checkpoint", text)
+        assert stopped, text[-3000:]
+        assert progress is not None and progress["step"] == int(stopped.group(1)) > 0
+        assert starts(text, run) == ["no checkpoint"] and "no checkpoint" not in starts(preempted["again"], run)
+    assert without_unit_train_metrics(summary(folder)) == without_unit_train_metrics(reference["summary"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: training/unit/loop.py reports a unit's train_loss and samples over the steps of its last "
+    "attempt only, so a unit resumed from a mid-unit checkpoint (a preemption) records other metrics in the ledger",
+)
+def test_a_preempted_sweep_records_the_units_an_uninterrupted_sweep_records(preempted, reference):
+    assert summary(preempted["folder"]) == reference["summary"]
+
+
+def without_unit_train_metrics(decided: dict) -> dict:
+    """The summary without the units' train_loss and samples (what the xfail above is about)."""
+    for trial in decided["trials"]:
+        for unit in trial["units"]:
+            unit["metrics"] = {k: v for k, v in unit["metrics"].items() if k not in ("train_loss", "samples")}
+    return decided
