@@ -33,10 +33,11 @@ from flows import cli, ship_module_logs
 from flows.restarts import end_dead_attempts, is_deployment_run, leave
 from flows.sweep_report import SweepReport, SweepResult, done_line
 from flows.train import TrainFlow, check_restart_cap
-from tasks.trial import CHILDREN, SegmentOutcome, TrialStopped, run_trial, trial_error
+from tasks.trial import CHILDREN, SegmentOutcome, run_trial, trial_error
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.config.trust import confine_locations, release_locations
+from training.exceptions import TrialStopped
 from training.preemption import Preempted
 from training.recipe.loader import allow_recipe, resolve_recipe
 from training.sweep import Job, Study, SweepConfig, plan, spec_differences, unfinished_segments

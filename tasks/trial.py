@@ -46,7 +46,7 @@ from checkpointing.snapshots import INTERMEDIATE
 from tasks.train_unit import PREEMPTED
 from training.config import TrainConfig
 from training.distributed.processes import die_with_parent
-from training.exceptions import Permanent
+from training.exceptions import TrialDied, TrialFailed, TrialStopped
 from training.recipe.loader import ALLOWED_ENV
 from training.unit.session import open_store
 
@@ -59,18 +59,6 @@ PROCESS_DIED = (
     "ProcessDied"  # the state of a dead trial process's flow run: not Crashed, which restart automations watch
 )
 _UNFINISHED = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]
-
-
-class TrialStopped(RuntimeError, Permanent):
-    """The trial's process stopped on request (the sweep is being preempted): resumed by the sweep's relaunch."""
-
-
-class TrialFailed(RuntimeError, Permanent):
-    """The trial's run failed, or its configuration was refused: the sweep records it and goes on."""
-
-
-class TrialDied(Exception):
-    """The trial's process died without saying why (a signal, the OOM killer): retried, and the retry resumes."""
 
 
 class UnitCheckpoint(BaseModel):

@@ -69,6 +69,19 @@ class RemoteError(RuntimeError):
     """An error of another process that is none of the product's own types (retried like any failure)."""
 
 
+# -- a sweep's trials (tasks/trial.py) ------------------------------------------------------------------------------
+class TrialStopped(RuntimeError, Permanent):
+    """A trial's process stopped on request (the sweep is being preempted): the sweep's relaunch resumes it."""
+
+
+class TrialFailed(RuntimeError, Permanent):
+    """A trial's run failed (its own unit retries spent) or its configuration was refused: the sweep records it."""
+
+
+class TrialDied(RuntimeError):
+    """A trial's process died without saying why (a signal, the OOM killer): retried, and the retry resumes."""
+
+
 # -- the flow's own end --------------------------------------------------------------------------------------------
 class RestartLimitError(RuntimeError):
     """The flow run was restarted more often than ``max_restarts``: it ends Failed, which no automation restarts."""

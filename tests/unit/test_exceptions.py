@@ -80,12 +80,16 @@ NOT_RETRIED_BEFORE = [
     "ConfigError",
     "DataError",  # added with streaming shards (issue 34): data that does not match its index fails the same way again
     "FencedError",
+    "LedgerError",  # added with sweeps (issue 35): a damaged ledger event reads the same way again
+    "LedgerFencedError",  # ... and another sweep process writing the ledger stays there
     "LinkedLocationError",
     "LoopEndedEarlyError",
     "NotACheckpointError",
     "OfferRefused",
     "PermanentStorageError",
     "ReportError",
+    "TrialFailed",  # added with sweeps: a trial whose run failed is recorded, not started again
+    "TrialStopped",  # ... nor one stopped on request (the sweep's relaunch resumes it)
     "UnsafeCheckpointError",
 ]
 # Exceptions that stay beside the code that raises them: a stop that carries its Stop, not an error (a BaseException
