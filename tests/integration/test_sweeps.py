@@ -194,47 +194,29 @@ def test_the_reference_sweep_runs_7_segments_and_trains_each_unit_once(reference
         assert starts(reference["text"], trial["run_name"]).count("no checkpoint") == 1
 
 
-def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, prefect_env, reference):
-    folder, chance = tmp_path / "runs", random.Random(35)
-    span = reference["seconds"]
-    texts: list[str] = []
-    before_kill: list[dict[str, bool]] = []  # per killed launch: which runs had a checkpoint when it died
+def recorded(folder: Path, kind: str | None = None) -> int:
+    """How many events (of ``kind``) the sweep's ledger holds."""
+    if not (folder / NAME).exists():
+        return 0
+    return sum(1 for e in events(folder) if kind is None or e.kind == kind)
 
-    def segments_finished() -> int:
-        return sum(1 for e in events(folder) if e.kind == "segment_finished") if (folder / NAME).exists() else 0
 
-    moments = ["delay", "training", "segment finished", "delay", "event"]
-    for i, moment in enumerate(moments):
-        launch = Launch(folder, prefect_env, tmp_path / f"launch{i}.log")
-        try:
-            if moment == "delay":  # anywhere: the sweep's start, a trial's start, its training, the ledger
-                deadline = time.monotonic() + chance.uniform(1.0, 0.3 * span)
-                launch.wait_until(lambda d=deadline: time.monotonic() > d, f"kill {i}")
-            elif moment == "training":  # while a trial trains: after its start line, within a unit's steps
-                launch.wait_until(lambda la=launch: "; training to" in la.text(), "a trial training")
-                deadline = time.monotonic() + chance.uniform(0.0, 8 * STEP_SECONDS)
-                launch.wait_until(lambda d=deadline: time.monotonic() > d, f"kill {i}")
-            elif moment == "segment finished":  # right after a segment's result was committed
-                seen = segments_finished()
-                launch.wait_until(lambda s=seen: segments_finished() > s, "a segment finishing")
-            else:  # right after the ledger gained any event
-                seen = len(events(folder)) if (folder / NAME).exists() else 0
-                launch.wait_until(lambda s=seen: (folder / NAME).exists() and len(events(folder)) > s, "an event")
-            launch.kill()
-        finally:
-            launch.close()
-        texts.append(launch.text())
-        runs = [t["run_name"] for t in Study.fold(events(folder)).summary()["trials"]]
-        before_kill.append({run: committed(folder, run) is not None for run in runs})
-    last = Launch(folder, prefect_env, tmp_path / "last.log")
-    texts.append(last.finish())
+def wait_for_moment(launch: Launch, moment: str, chance: random.Random, span: float) -> None:
+    if moment == "delay":  # anywhere: the sweep's start, a trial's start, its training, the ledger
+        deadline = time.monotonic() + chance.uniform(1.0, 0.3 * span)
+        launch.wait_until(lambda: time.monotonic() > deadline, "the moment to kill")
+    elif moment == "training":  # while a trial trains: after its start line, within a unit's steps
+        launch.wait_until(lambda: "; training to" in launch.text(), "a trial training")
+        deadline = time.monotonic() + chance.uniform(0.0, 8 * STEP_SECONDS)
+        launch.wait_until(lambda: time.monotonic() > deadline, "the moment to kill")
+    else:  # right after the ledger gained a segment's result ("segment_finished") or any event (None)
+        kind = moment or None
+        seen = recorded(launch.folder, kind)
+        launch.wait_until(lambda: recorded(launch.folder, kind) > seen, f"a new {kind or 'event'}")
 
-    assert summary(folder) == reference["summary"]
-    best = best_weights(folder)
-    assert best.keys() == reference["best"].keys()
-    assert all(torch.equal(best[k], reference["best"][k]) for k in best)
-    for trial in reference["summary"]["trials"]:
-        run = trial["run_name"]
+
+def assert_no_run_started_over(texts: list[str], before_kill: list[dict[str, bool]], runs: list[str]) -> None:
+    for run in runs:
         logged = [starts(text, run) for text in texts]
         for i, had in enumerate(before_kill):  # a run that had committed starts from its checkpoint ever after
             if had.get(run):
@@ -242,6 +224,30 @@ def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, p
         # from nothing once, plus once more for each launch killed before the run had committed anything
         restarted = sum(1 for i, had in enumerate(before_kill) if "no checkpoint" in logged[i] and not had.get(run))
         assert sum(s.count("no checkpoint") for s in logged) == 1 + restarted, (run, logged, before_kill)
+
+
+def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, prefect_env, reference):
+    folder, chance = tmp_path / "runs", random.Random(35)
+    texts: list[str] = []
+    before_kill: list[dict[str, bool]] = []  # per killed launch: which runs had a checkpoint when it died
+    moments = ["delay", "training", "segment_finished", "delay", ""]
+    for i, moment in enumerate(moments):
+        launch = Launch(folder, prefect_env, tmp_path / f"launch{i}.log")
+        try:
+            wait_for_moment(launch, moment, chance, reference["seconds"])
+            launch.kill()
+        finally:
+            launch.close()
+        texts.append(launch.text())
+        runs = [t["run_name"] for t in Study.fold(events(folder)).summary()["trials"]]
+        before_kill.append({run: committed(folder, run) is not None for run in runs})
+    texts.append(Launch(folder, prefect_env, tmp_path / "last.log").finish())
+
+    assert summary(folder) == reference["summary"]
+    best = best_weights(folder)
+    assert best.keys() == reference["best"].keys()
+    assert all(torch.equal(best[k], reference["best"][k]) for k in best)
+    assert_no_run_started_over(texts, before_kill, [t["run_name"] for t in reference["summary"]["trials"]])
     # each kill costs at most the unit each running trial was in, never a finished unit
     assert units_trained(folder) <= reference["units_trained"] + 2 * len(moments)
 
