@@ -128,6 +128,30 @@ def test_a_retry_in_the_same_process_resumes_from_the_newest_snapshot_and_ends_b
     assert tier_files(config) == []  # the run completed: its snapshots left this machine's memory
 
 
+TIMINGS = {"train_seconds", "samples_per_second", "snapshot_seconds_max", "checkpoint_seconds"}
+
+
+def unit_figures(config) -> list[dict[str, float]]:
+    """The metrics each unit's checkpoint records, what depends on time left out."""
+    infos = CheckpointStore(config.save_folder, config.run_name).list()
+    ends = [i for i in infos if not i.manifest.metadata.get("within_unit")]
+    return [{k: v for k, v in i.metrics.items() if k not in TIMINGS} for i in ends]
+
+
+def test_a_unit_resumed_inside_itself_reports_the_whole_units_loss_and_samples(make_config, train_run):
+    reference = make_config(run_name="reference", **SNAPSHOTS)
+    train_run(reference)
+    config = make_config(inject_fault_at_step=5, **SNAPSHOTS)
+    with Run.open(config) as run:
+        with pytest.raises(InjectedFault):
+            execute_unit(config, unit=0, generation=run.generation)
+        retried = execute_unit(config, unit=0, attempt=2, generation=run.generation)
+    assert retried.steps == 3  # resumed at step 5 of 8
+    train_run(config)
+    assert unit_figures(config) == unit_figures(reference)  # train_loss over all 8 steps, 256 samples, not 3 and 96
+    assert retried.metrics["samples"] == 256.0
+
+
 def test_a_snapshot_newer_than_the_stores_newest_is_resumed_from(make_config, train_run):
     reference = make_config(run_name="reference", **SNAPSHOTS)
     train_run(reference)

@@ -125,7 +125,8 @@ class Study:
         return None if found is None else (found[1], found[2])
 
     def summary(self) -> dict[str, Any]:
-        """What the sweep decided (JSON): equal for two sweeps that decided alike, whatever order trials finished."""
+        """What the sweep decided (JSON): equal for two sweeps that decided alike, whatever order trials finished (the
+        units' metrics without those that measure time)."""
         return {
             "trials": [
                 {
@@ -135,13 +136,24 @@ class Study:
                     "run_name": t.run_name,
                     "state": t.state,
                     "rung": t.rung,
-                    "units": t.units,
+                    "units": [_without_timings(u) for u in t.units],
                     "lineage": t.lineage,
                 }
                 for t in self.by_index()
             ],
             "finished": self.finished,
         }
+
+
+# A unit's metrics that measure time, not training: they differ between two runs of the same unit.
+TIMINGS = frozenset({"train_seconds", "samples_per_second", "snapshot_seconds_max", "checkpoint_seconds"})
+
+
+def _without_timings(unit: dict[str, Any]) -> dict[str, Any]:
+    metrics = unit.get("metrics")
+    if not isinstance(metrics, dict):
+        return unit
+    return {**unit, "metrics": {k: v for k, v in metrics.items() if k not in TIMINGS}}
 
 
 def _segment_started(trial: Trial, body: dict[str, Any]) -> None:

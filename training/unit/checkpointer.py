@@ -28,7 +28,7 @@ from training.config import TrainConfig
 from training.start.identity import run_identity
 from training.unit import rng
 from training.unit.host_memory import claim_of
-from training.unit.session import SINGLE_PROCESS, Session, World, rng_file
+from training.unit.session import SINGLE_PROCESS, UNIT_SO_FAR, Session, World, rng_file
 from training.unit.state import SMALL
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ class Checkpointer:
             "world_size": s.world.size if s is not None else self.world.size,
             "data_skip_applied": s.data_skip_applied if s is not None else None,
             "metrics": {k: float(v) for k, v in metrics.items()},
+            **({UNIT_SO_FAR: s.unit_so_far} if s is not None and s.unit_so_far else {}),
         }
 
     # -- helpers ------------------------------------------------------------------------------------

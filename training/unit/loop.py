@@ -202,11 +202,21 @@ def _train(
     p, epoch_size = s.progress, len(s.dataset)
     s.model.train()
     losses: list[float] = []
-    norms: list[float] = []
     stalls: list[float] = []
-    evaluated: dict[str, float] = {}
+    # Running sums from the unit's start: a unit resumed from a checkpoint inside it (a snapshot, a stop) carries the
+    # figures of the steps before it (Session.unit_so_far), so it reports what an uninterrupted unit reports.
+    so_far, s.unit_so_far = s.unit_so_far or {}, None
+    loss_sum, loss_count = float(so_far.get("loss_sum", 0.0)), int(so_far.get("loss_count", 0))
+    norm_sum, norm_count = float(so_far.get("norm_sum", 0.0)), int(so_far.get("norm_count", 0))
+    unit_start, snapshots = int(so_far.get("unit_start_samples", p.samples_seen)), int(so_far.get("snapshots", 0))
+    evaluated: dict[str, float] = dict(so_far.get("evaluated") or {})
     snapshot_every = config.snapshot_every
     start_samples, t0 = p.samples_seen, time.perf_counter()
+
+    def figures() -> dict[str, Any]:
+        return {"loss_sum": loss_sum, "loss_count": loss_count, "norm_sum": norm_sum, "norm_count": norm_count,
+                "unit_start_samples": unit_start, "snapshots": snapshots, "evaluated": dict(evaluated)}  # fmt: skip
+
     stop = preemption.agreed_stop(s.world.size)  # asked during start-up: nothing trained, nothing to save
     while stop is None and not is_complete(p, config.duration):
         sampler, loader = _loader(config, s, epoch_size)
@@ -220,8 +230,9 @@ def _train(
                 losses.append(_own_step(s, s.hooks.train_step, next(batches), sum(map(len, micro)), global_n))
             else:
                 losses.append(_step(s, micro, global_n, batches))
+            loss_sum, loss_count = loss_sum + losses[-1], loss_count + 1
             if s.ctx is not None and s.ctx.last_grad_norm is not None:
-                norms.append(s.ctx.last_grad_norm)
+                norm_sum, norm_count = norm_sum + s.ctx.last_grad_norm, norm_count + 1
             epoch_ended = p.advance(global_n, epoch_size)
             rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
             log.log(p.step, _step_metrics(s, losses[-1], rate if p.step % config.log_every_n_steps == 0 else None))
@@ -247,7 +258,10 @@ def _train(
                 unit_over = True
             elif snapshot_every is not None and crossed(p, snapshot_every, epoch_ended, global_n):
                 log.checkpoint(p.step)  # a snapshot may be resumed from: what it covers is logged first
-                stall = checkpointer.snapshot(s, {"train_loss": sum(losses) / len(losses), **evaluated})
+                snapshots += 1
+                s.unit_so_far = figures()  # in the snapshot's manifest
+                stall = checkpointer.snapshot(s, {"train_loss": loss_sum / loss_count, **evaluated})
+                s.unit_so_far = None
                 stalls.extend([stall] if stall is not None else [])
             if config.inject_fault_at_step == p.step and attempt == 1:
                 raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
@@ -259,14 +273,17 @@ def _train(
         if unit_over:
             break
     seconds = time.perf_counter() - t0
-    trained = p.samples_seen - start_samples
+    trained = p.samples_seen - start_samples  # by this attempt: its speed
+    if stop is not None:  # the stop's checkpoint is inside the unit: its resumption goes on from these figures
+        s.unit_so_far = figures()
     metrics = {
-        "train_loss": sum(losses) / max(len(losses), 1),
-        "samples": float(trained),
+        "train_loss": loss_sum / max(loss_count, 1),
+        "samples": float(p.samples_seen - unit_start),  # the whole unit's, a resumed one's too
         "train_seconds": seconds,
         "samples_per_second": trained / max(seconds, 1e-9),
-        **({"grad_norm": sum(norms) / len(norms)} if norms else {}),
-        **({"snapshots": float(len(stalls)), "snapshot_seconds_max": max(stalls)} if stalls else {}),
+        **({"grad_norm": norm_sum / norm_count} if norm_count else {}),
+        **({"snapshots": float(snapshots)} if snapshots else {}),
+        **({"snapshot_seconds_max": max(stalls)} if stalls else {}),
         **evaluated,
     }
     return metrics, len(losses), stop
