@@ -12,10 +12,10 @@ On S3, ``Storage.copy`` is a CopyObject request: no byte of the checkpoint passe
 from __future__ import annotations
 
 from checkpointing.errors import CorruptCheckpointError, ManifestError
-from checkpointing.io.localfs import NOT_A_FILE
 from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import MAX_MANIFEST_BYTES
 from checkpointing.manifest import MANIFEST, FileEntry, Manifest
+from checkpointing.store import size_problem
 
 
 def copy_checkpoint(storage: Storage, source_key: str, target_key: str) -> str:
@@ -47,16 +47,8 @@ def size_problems(storage: Storage, key: str, files: dict[str, FileEntry]) -> li
     """What is wrong with the files under ``key`` against the sizes the manifest gives (one listing), as
     ``CheckpointStore.check`` reports it; empty when every file is there with its size."""
     found = storage.sizes(key)
-    problems = []
-    for fname, entry in files.items():
-        size = found.get(fname)
-        if size is None:
-            problems.append(f"{fname}: missing")
-        elif size == NOT_A_FILE:
-            problems.append(f"{fname}: a symbolic link or special file (never followed)")
-        elif size != entry.size:
-            problems.append(f"{fname}: size {size} != {entry.size} in manifest")
-    return problems
+    wrong = {fname: size_problem(found.get(fname), entry) for fname, entry in files.items()}
+    return [f"{fname}: {problem}" for fname, problem in wrong.items() if problem]
 
 
 def _verified_manifest(storage: Storage, key: str) -> Manifest:

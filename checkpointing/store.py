@@ -109,6 +109,18 @@ class LoadedCheckpoint:
     objects: dict[str, Any]
 
 
+def size_problem(size: int | None, entry: FileEntry) -> str:
+    """What is wrong with a file of a checkpoint, listed with ``size`` (None: not there), against its manifest entry;
+    empty when nothing is."""
+    if size is None:
+        return "missing"
+    if size == NOT_A_FILE:
+        return "a symbolic link or special file (never followed)"
+    if size != entry.size:
+        return f"size {size} != {entry.size} in manifest"
+    return ""
+
+
 class CheckpointStore:
     """The checkpoints of run ``run_name`` under ``save_folder`` (any fsspec URL)."""
 
@@ -180,13 +192,9 @@ class CheckpointStore:
         found = self.storage.sizes(prefix)
         problems = []
         for fname, entry in files.items():
-            size = found.get(fname)
-            if size is None:
-                problems.append(f"{name}/{fname}: missing")
-            elif size == NOT_A_FILE:
-                problems.append(f"{name}/{fname}: a symbolic link or special file (never followed)")
-            elif size != entry.size:
-                problems.append(f"{name}/{fname}: size {size} != {entry.size} in manifest")
+            wrong = size_problem(found.get(fname), entry)
+            if wrong:
+                problems.append(f"{name}/{fname}: {wrong}")
             elif deep and self.storage.get_hashed(f"{prefix}/{fname}")[1] != entry.sha256:
                 problems.append(f"{name}/{fname}: sha256 mismatch")
         problems += [

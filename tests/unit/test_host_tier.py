@@ -114,20 +114,6 @@ def test_a_copy_never_goes_into_the_newest_snapshot_so_a_kill_mid_copy_leaves_it
     pipeline.close()
 
 
-def test_a_retry_in_the_same_process_resumes_from_the_newest_snapshot_and_ends_bit_identical(make_config, train_run):
-    reference = make_config(run_name="reference", **SNAPSHOTS)
-    train_run(reference)
-    config = make_config(inject_fault_at_step=5, **SNAPSHOTS)
-    with Run.open(config) as run:
-        with pytest.raises(InjectedFault):
-            execute_unit(config, unit=0, generation=run.generation)
-        retried = execute_unit(config, unit=0, attempt=2, generation=run.generation)
-    assert retried.steps == 3  # steps 6, 7 and 8 of the epoch: nothing redone (from the store or from memory)
-    train_run(config)
-    assert_same_weights(final_state(config), final_state(reference))
-    assert tier_files(config) == []  # the run completed: its snapshots left this machine's memory
-
-
 TIMINGS = {"train_seconds", "samples_per_second", "snapshot_seconds_max", "checkpoint_seconds"}
 
 
@@ -138,7 +124,7 @@ def unit_figures(config) -> list[dict[str, float]]:
     return [{k: v for k, v in i.metrics.items() if k not in TIMINGS} for i in ends]
 
 
-def test_a_unit_resumed_inside_itself_reports_the_whole_units_loss_and_samples(make_config, train_run):
+def test_a_retry_in_the_same_process_resumes_from_the_newest_snapshot_and_ends_bit_identical(make_config, train_run):
     reference = make_config(run_name="reference", **SNAPSHOTS)
     train_run(reference)
     config = make_config(inject_fault_at_step=5, **SNAPSHOTS)
@@ -146,10 +132,12 @@ def test_a_unit_resumed_inside_itself_reports_the_whole_units_loss_and_samples(m
         with pytest.raises(InjectedFault):
             execute_unit(config, unit=0, generation=run.generation)
         retried = execute_unit(config, unit=0, attempt=2, generation=run.generation)
-    assert retried.steps == 3  # resumed at step 5 of 8
+    assert retried.steps == 3  # steps 6, 7 and 8 of the epoch: nothing redone (from the store or from memory)
+    assert retried.metrics["samples"] == 256.0  # the whole unit's, though resumed inside it
     train_run(config)
+    assert_same_weights(final_state(config), final_state(reference))
     assert unit_figures(config) == unit_figures(reference)  # train_loss over all 8 steps, 256 samples, not 3 and 96
-    assert retried.metrics["samples"] == 256.0
+    assert tier_files(config) == []  # the run completed: its snapshots left this machine's memory
 
 
 def test_a_snapshot_newer_than_the_stores_newest_is_resumed_from(make_config, train_run):
