@@ -120,8 +120,9 @@ def test_a_trial_config_is_the_base_run_with_its_parameters_under_the_sweep_fold
     assert trial.max_duration == "4ep" and trial.load_path is None and trial.storage_options == {"anon": True}
     assert trial.recipe_args["keep"] == 1 and trial.recipe_args["hidden"] == params["recipe_args.hidden"]
     assert trial.global_batch_size == params["global_batch_size"] and trial.precision == params["precision"]
-    exploited = config.trial_config(params, "t000-e1", target_units=3, load_path="memory://x/copy")
-    assert exploited.load_path == "memory://x/copy" and exploited.load_weights_only is False
+    copy = "memory://sweeps/lr-search/sweep/exploits/t000-e1/checkpoints/ep2-ba8-sa64"  # where the sweep copies
+    exploited = config.trial_config(params, "t000-e1", target_units=3, load_path=copy)
+    assert exploited.load_path == copy and exploited.load_weights_only is False
     assert exploited.max_duration == "6ep" and config.units_total() == 3
     assert trial.eval_each_unit  # the schedulers compare units: each one ends with an evaluation
 
@@ -185,3 +186,14 @@ def test_the_environment_fills_the_base_run_once_and_never_overrides_a_trial(mon
     from_json = SweepConfig.model_validate({"train": {"max_duration": "6ep", "save_interval": "2ep"},
                                             "sweep_name": "s", "space": SPACE})  # fmt: skip
     assert from_json.train.seed == 9  # a flow-run parameter's base run reads the worker's variables, as train does
+
+
+def test_a_trial_takes_only_what_the_space_searches_and_starts_only_from_the_sweeps_copies() -> None:
+    config = sweep()
+    params = trial_parameters(config.space, 1, 0)[0]
+    with pytest.raises(ConfigError, match="which the space does not search"):
+        config.trial_config({**params, "recipe": "evil:Recipe"}, "t000", target_units=1)  # a planted ledger event
+    with pytest.raises(ConfigError, match="outside its sweep's copies"):
+        config.trial_config(params, "t000-e1", target_units=1, load_path="/etc/passwd")
+    copy = f"{config.sweep_folder}/sweep/exploits/t000-e1/checkpoints/ep1-ba8-sa256"
+    assert config.trial_config(params, "t000-e1", target_units=1, load_path=copy).load_path == copy

@@ -9,6 +9,7 @@ whose spec changed.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -167,6 +168,20 @@ class SweepConfig(BaseModel):
         """The base run with ``params`` set, as the run ``run_name`` of the sweep, trained up to ``target_units``."""
         if not 1 <= target_units <= self.units_total():
             raise ConfigError(f"target_units={target_units}: a segment trains 1 to {self.units_total()} units")
+        # params and load_path come back from the ledger, a file in the store: only what the space searches may be set,
+        # and a run may start only from a copy the sweep made (never another recipe, folder or file)
+        unknown = sorted(str(k)[:100] for k in params if k not in self.space)
+        if unknown:
+            raise ConfigError(
+                f"the trial {run_name}'s parameters name {unknown}, which the space does not search: the sweep's ledger "
+                f"was written by another search or altered; start a new sweep_name"
+            )
+        folder = self.sweep_folder if "://" in self.sweep_folder else os.path.abspath(self.sweep_folder)  # as Storage
+        if load_path is not None and not load_path.startswith(f"{folder}/sweep/exploits/"):
+            raise ConfigError(
+                f"the trial {run_name} would start from outside its sweep's copies: the ledger was altered; start a "
+                f"new sweep_name"
+            )
         fields = apply(self.train.model_dump(), params)
         fields.update(
             storage_options=self.train.storage_options,  # excluded from dumps: never a flow-run parameter
