@@ -76,8 +76,9 @@ def read_peer_checkpoint(
     kind = peer_folder_kind(fs, path) if is_folder else None
     if kind is not None and kind.startswith("mindspore-"):
         chosen = mindspore_output.choose(str(uri), storage_options, kind.removeprefix("mindspore-"), where)
-        where = f"{where} ({chosen.name})"
-        peer = decode_peer_file(read_bounded(chosen.uri, storage_options, where, limit), where)
+        chosen, peer = mindspore_output.read(  # a damaged newest file: the next newest (MindSpore's fallback)
+            chosen, where, lambda at, what: decode_peer_file(read_bounded(at, storage_options, what, limit), what)
+        )
         peer.description = f"{chosen.how}: {peer.description}"
         return peer
     if kind is not None:

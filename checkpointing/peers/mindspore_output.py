@@ -11,7 +11,10 @@ users resume with ``load_checkpoint: './output/checkpoint'``, so ``load_path`` t
   fit the model and are refused by the key/shape check like any file that does not fit;
 - ``rank_<r>/`` (or any folder holding ``meta.json``): the file ``meta.json`` names; where it is missing or damaged
   (not JSON, wrong types, a name that is not a plain file name of this folder, a link), the newest file by the
-  ``{epoch}_{step}`` of its name, with a warning saying so (MindSpore's own fallback is "the latest available").
+  ``{epoch}_{step}`` of its name, with a warning saying so (MindSpore's own fallback is "the latest available");
+- a chosen file that does not read (cut short by a dead writer, not a checkpoint, too big): one warning naming it, and
+  the next newest file by ``{epoch}_{step}`` is tried, as a damaged checkpoint of ours is skipped for the one before
+  it (``read``; at most MAX_TRIED files, each read bounded as any weights file).
 
 Everything here is untrusted: ``meta.json`` is read up to 64 KiB without following a link, its fields are typed,
 its file name must be one of the folder's own regular files; names are shown with ``!r``, its content never.
@@ -25,8 +28,9 @@ import os
 import posixpath
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -43,6 +47,8 @@ RANK_FOLDER = re.compile(r"rank_(\d{1,6})")
 # {prefix}-{epoch}_{step}.ckpt (or .safetensors, MindSpore >= 2.3); the prefix may hold '-' (a suffix MindSpore adds)
 FILE_NAME = re.compile(r"(?P<prefix>.+)-(?P<epoch>\d{1,12})_(?P<step>\d{1,12})\.(?P<suffix>ckpt|safetensors)")
 _MAX_NAME = 255
+MAX_TRIED = 8  # files read before giving up: each may be as large as a model
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Chosen:
     uri: str  # the file to read
     name: str  # its name in its rank folder
     how: str  # for people: "rank_0 of a MindSpore Transformers checkpoint folder, the file meta.json names (...)"
+    older: tuple[str, ...] = ()  # the folder's files older than it by {epoch}_{step}, newest first: the fallbacks
 
 
 def folder_kind(names: set[str], path: str) -> str | None:
@@ -83,9 +90,38 @@ def choose(uri: str, options: dict[str, Any] | None, kind: str, where: str) -> C
                 len(ranks),
             )
         chosen = _in_rank_folder(fs, options, f"{uri}/rank_0", f"{path}/rank_0", f"{where} (rank_0)")
-        return Chosen(chosen.uri, chosen.name, f"rank_0 of a MindSpore Transformers checkpoint folder, {chosen.how}")
+        how = f"rank_0 of a MindSpore Transformers checkpoint folder, {chosen.how}"
+        return Chosen(chosen.uri, chosen.name, how, chosen.older)
     chosen = _in_rank_folder(fs, options, uri, path, where)
-    return Chosen(chosen.uri, chosen.name, f"a MindSpore Transformers rank folder, {chosen.how}")
+    return Chosen(chosen.uri, chosen.name, f"a MindSpore Transformers rank folder, {chosen.how}", chosen.older)
+
+
+def read(chosen: Chosen, where: str, read_file: Callable[[str, str], T]) -> tuple[Chosen, T]:
+    """``read_file(uri, where)`` of ``chosen``'s file; where it raises WeightsError (the file is damaged: cut short,
+    not a checkpoint, too big), one warning naming it and the next newest file of its folder is read instead. The
+    first file's error is raised when none of MAX_TRIED files reads."""
+    folder = chosen.uri.rsplit("/", 1)[0]
+    names = (chosen.name, *chosen.older)[:MAX_TRIED]
+    first: WeightsError | None = None
+    for i, name in enumerate(names):
+        try:
+            found = read_file(f"{folder}/{name}", f"{where} ({name})")
+        except WeightsError as exc:
+            first = first or exc
+            following = (
+                f"the next newest by the {{epoch}}_{{step}} in its name: {names[i + 1]!r}"
+                if i + 1 < len(names)
+                else "no older file is left to try"
+            )
+            logger.warning("load_path %s: %r does not read (%s); %s", where, name, _short(exc), following)
+            continue
+        if i == 0:
+            return chosen, found
+        how = f"{chosen.how.rsplit(', ', 1)[0]}, the next newest file that reads ({name!r}; newer ones are damaged)"
+        return Chosen(f"{folder}/{name}", name, how, names[i + 1 :]), found
+    assert first is not None
+    left = len(names) - 1
+    raise WeightsError(f"{first}; and none of its {left} older file(s) read either" if left else str(first)) from first
 
 
 def _in_rank_folder(
@@ -110,16 +146,21 @@ def _in_rank_folder(
     if not files:
         raise WeightsError(f"{where}: a MindSpore rank folder with no {{prefix}}-{{epoch}}_{{step}}.ckpt file in it")
     named, problem = _meta_choice(fs, options, (uri, path), names, files, where)
+    by_age = sorted(
+        files, key=lambda n: (*files[n], n), reverse=True
+    )  # at one {epoch}_{step}, .ckpt (MindSpore's) first
     if named is not None:
-        return Chosen(f"{uri}/{named}", named, f"the file its meta.json names ({named!r})")
-    newest = max(files, key=lambda n: (*files[n], n))  # at the same {epoch}_{step}, .ckpt (MindSpore's default) first
+        older = tuple(by_age[by_age.index(named) + 1 :])
+        return Chosen(f"{uri}/{named}", named, f"the file its meta.json names ({named!r})", older)
+    newest = by_age[0]
     logger.warning(
         "load_path %s: meta.json %s; took the newest file by the {epoch}_{step} in its name instead: %r",
         where,
         problem,
         newest,
     )
-    return Chosen(f"{uri}/{newest}", newest, f"the newest file by its name ({newest!r}; meta.json {problem})")
+    how = f"the newest file by its name ({newest!r}; meta.json {problem})"
+    return Chosen(f"{uri}/{newest}", newest, how, tuple(by_age[1:]))
 
 
 def _meta_choice(

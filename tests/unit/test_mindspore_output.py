@@ -285,3 +285,31 @@ def test_a_deployment_runs_confined_read_takes_meta_json_and_never_a_link(tmp_pa
         with caplog.at_level(logging.WARNING):
             assert same(loaded_weights(str(rank_1)), newest_weights())
     assert "meta.json is a link, not followed" in caplog.text
+
+
+# -- a damaged newest file: one warning naming it, the next newest by {epoch}_{step} (MindSpore's own fallback) ------
+def test_a_truncated_newest_file_is_skipped_with_one_warning_for_the_next_newest(tmp_path, make_config, caplog):
+    out = output_tree(tmp_path, ranks=1)
+    rank_0 = out / "checkpoint" / "rank_0"
+    data = (rank_0 / NEWEST).read_bytes()
+    (rank_0 / NEWEST).write_bytes(data[:-100])  # a writer killed mid-file; meta.json still names it
+    (rank_0 / "tiny_rank_0-1_4.ckpt").write_bytes(CKPT.read_bytes())  # older still: never reached
+    config = make_config(run_name="from-ms", load_path=str(out / "checkpoint"), max_duration="3ep")
+    with caplog.at_level(logging.WARNING):
+        check_load_path(config)  # the flow's start-up check: not refused
+        session, origin = restore(config, CheckpointStore(config.save_folder, config.run_name))
+    weights = {n: p.detach() for n, p in session.model.named_parameters()}
+    assert same(weights, older_weights())  # the next newest file's weights, exactly
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and NEWEST in r.getMessage()]
+    assert (
+        len(set(warnings)) == 1 and f"the next newest by the {{epoch}}_{{step}} in its name: '{OLDER}'" in warnings[0]
+    )
+    assert "the next newest file that reads ('tiny_rank_0-9_4.ckpt'; newer ones are damaged)" in origin.text
+
+
+def test_when_no_file_reads_the_newest_files_error_is_raised(tmp_path):
+    out = output_tree(tmp_path, ranks=1)
+    for path in (out / "checkpoint" / "rank_0").glob("*.ckpt"):
+        path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(WeightsError, match=rf"\({NEWEST}\).*and none of its 1 older file\(s\) read either"):
+        read_peer_checkpoint(str(out / "checkpoint"))
