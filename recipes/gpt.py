@@ -32,16 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from checkpointing.io.redact import credential_keys  # one word list for every credential check and redaction
 from training.config import ConfigError
 
 CORPUS = Path(__file__).with_name("data") / "coriolanus.txt"
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
-
-
-def _flat_keys(options: Any) -> list[str]:
-    if not isinstance(options, dict):
-        return []
-    return [str(k) for k in options] + [k for v in options.values() for k in _flat_keys(v)]
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -206,7 +200,7 @@ class GPTRecipe:
         # Streaming mode: token shards (nanoGPT's train.bin, or many .bin/.npy shards) in a folder or bucket, read by
         # training.data.ShardedDataset: samples are non-overlapping blocks of the packed stream.
         self.data_url, self.val_url, self.data_options = data_url, val_url, dict(data_options or {})
-        secret = [k for k in _flat_keys(self.data_options) if any(w in k.lower() for w in _SECRET_WORDS)]
+        secret = credential_keys(self.data_options)
         if secret:  # recipe_args are recorded with every checkpoint
             raise ValueError(
                 f"data_options: {secret[0]!r} looks like a credential; recipe_args are stored with the run, so give "

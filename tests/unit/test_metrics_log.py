@@ -181,7 +181,7 @@ def test_mlflow_params_are_the_config_without_credentials(make_config):
     )
     params = params_of(config)
     assert params["max_duration"] == "3ep" and params["run_name"] == "r"
-    assert json.loads(params["recipe_args"]) == {"num_samples": 256}
+    assert json.loads(params["recipe_args"]) == {"num_samples": 256, "api_key": "<redacted>"}
     assert "storage_options" not in params
     assert not [v for v in params.values() if "not-a-param" in v or "s3cr3t" in v]
 

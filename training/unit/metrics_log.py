@@ -14,6 +14,8 @@ A resumed or retried run continues one curve:
   every commit, so nothing a checkpoint covers is lost with the process.
 - MLflow (training/unit/mlflow_log.py): the run's id is kept in the run folder, so a relaunch continues the same
   MLflow run; steps MLflow already holds are not sent again (MLflow keeps every value it is sent).
+
+URIs in these log lines go through checkpointing.io.redact: no password or signed query reaches a log.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Protocol, TextIO
 
 from checkpointing import CheckpointStore
 from checkpointing.io import confine
+from checkpointing.io.redact import redact_uri
 from training.config import TrainConfig
 from training.unit.mlflow_log import MlflowRun, mlflow_wanted
 from training.unit.session import SINGLE_PROCESS, World
@@ -193,7 +196,10 @@ class MetricsLog:
         folder = tensorboard_dir(self.config, self.store)
         if folder is None:
             self._tb_on = False
-            logger.info("TensorBoard is off: %s is an object store; set metrics_dir to a local folder", self.store.uri)
+            logger.info(
+                "TensorBoard is off: %s is an object store; set metrics_dir to a local folder",
+                redact_uri(self.store.uri),
+            )
             return
         if confine.local_roots() is not None:  # a deployment run: only under the worker's roots, through no link
             confine.check(folder, f"TensorBoard folder {folder!r}")

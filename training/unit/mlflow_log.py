@@ -5,7 +5,11 @@ On when the worker's environment names a tracking server (``MLFLOW_TRACKING_URI`
 
 - The MLflow run's id is kept in the run folder (``mlflow.json``, written through the checkpoint store's Storage):
   every later unit, retry or relaunch, on any machine, continues that MLflow run.
-- Parameters: the config, without ``storage_options`` (credentials) or names that look like secrets.
+- Secrets never leave the process (checkpointing/io/redact.py): ``mlflow.json`` and the log lines hold the tracking
+  URI without its password (``http://trainer:***@host``; the client uses the real one from the environment), URIs in
+  tags and warnings are redacted too.
+- Parameters: the config without ``storage_options``, filtered recursively with the word list the recipes' own
+  refusals use: the value of a credential-like key at any depth is ``<redacted>``, secrets in strings are masked.
 - Checkpoints: each committed checkpoint's URI as a tag (``checkpoint.<name>``, ``latest_checkpoint``); no bytes.
 - One curve: MLflow keeps every value it is sent, so a step is never sent twice. On opening, the steps MLflow holds
   for each metric are read; values a resumed or retried attempt logs at those steps again (the same values:
@@ -18,12 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpointing import CheckpointStore
+from checkpointing.io.redact import redact, redact_text, redact_uri
 from training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -31,7 +35,6 @@ logger = logging.getLogger(__name__)
 ID_FILE = "mlflow.json"
 URI_ENV = "MLFLOW_TRACKING_URI"
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
-SECRET = re.compile(r"secret|password|passwd|credential|token$|api_key|access_key", re.IGNORECASE)
 NOT_PARAMS = {"storage_options", "config_file"}
 
 
@@ -40,15 +43,9 @@ def mlflow_wanted(config: TrainConfig) -> bool:
 
 
 def params_of(config: TrainConfig) -> dict[str, str]:
-    """The config as MLflow parameters: credentials and secret-looking names left out, values as text."""
-    out: dict[str, str] = {}
-    for key, value in config.model_dump(mode="json").items():
-        if key in NOT_PARAMS or SECRET.search(key):
-            continue
-        if isinstance(value, dict):
-            value = {k: v for k, v in value.items() if not SECRET.search(str(k))}
-        out[key] = (value if isinstance(value, str) else json.dumps(value, sort_keys=True))[:6000]
-    return out
+    """The config as MLflow parameters, values as text: ``storage_options`` left out, credentials redacted."""
+    fields = redact({k: v for k, v in config.model_dump(mode="json").items() if k not in NOT_PARAMS})
+    return {k: (v if isinstance(v, str) else json.dumps(v, sort_keys=True))[:6000] for k, v in fields.items()}
 
 
 class MlflowRun:
@@ -77,7 +74,8 @@ class MlflowRun:
     def checkpoint(self, step: int, name: str, uri: str) -> None:
         self._guard(self._send)
         if name and self._on and self._client is not None:
-            self._guard(lambda: self._tag({f"checkpoint.{name}": uri, "latest_checkpoint": uri}))
+            shown = redact_uri(uri)
+            self._guard(lambda: self._tag({f"checkpoint.{name}": shown, "latest_checkpoint": shown}))
 
     def end(self, complete: bool) -> None:
         self._guard(self._send)
@@ -93,14 +91,17 @@ class MlflowRun:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         uri = os.environ[URI_ENV].strip()
+        shown = redact_uri(uri)  # what is stored and logged: the password stays in this process
         client = MlflowClient(tracking_uri=uri)
-        run = self._kept_run(client, uri)
+        run = self._kept_run(client, shown)
         params = params_of(self.config)
         if run is None:
             experiment = self._experiment(client)
-            run = client.create_run(experiment, run_name=self.config.run_name, tags={"run_uri": self.store.uri})
-            self.store.storage.put(ID_FILE, json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}).encode())
-            logger.info("MLflow run %s (experiment %s) at %s", run.info.run_id, experiment, uri)
+            run = client.create_run(
+                experiment, run_name=self.config.run_name, tags={"run_uri": redact_uri(self.store.uri)}
+            )
+            self._keep(run.info.run_id, shown)
+            logger.info("MLflow run %s (experiment %s) at %s", run.info.run_id, experiment, shown)
         else:
             if run.info.status != "RUNNING":
                 client.update_run(run.info.run_id, status="RUNNING")
@@ -115,22 +116,31 @@ class MlflowRun:
         if params:
             client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
 
-    def _kept_run(self, client: Any, uri: str) -> Any:
-        """The MLflow run named in the run folder, if it is on this server and still there."""
+    def _keep(self, run_id: str, shown: str) -> None:
+        self.store.storage.put(ID_FILE, json.dumps({"run_id": run_id, "tracking_uri": shown}).encode())
+
+    def _kept_run(self, client: Any, shown: str) -> Any:
+        """The MLflow run named in the run folder, if it is on this server (``shown``: its redacted URI) and still
+        there. A file of an earlier version that holds the URI's password is rewritten without it."""
         if not self.store.storage.exists(ID_FILE):
             return None
         try:
             kept = json.loads(self.store.storage.get(ID_FILE, max_bytes=65536))
-            if kept.get("tracking_uri") != uri:
+            kept_uri = str(kept.get("tracking_uri"))
+            if redact_uri(kept_uri) != shown:
                 logger.warning(
                     "MLflow: the run was logged to %s before; starting a new MLflow run at %s",
-                    kept.get("tracking_uri"),
-                    uri,
+                    redact_uri(kept_uri),
+                    shown,
                 )
                 return None
             run = client.get_run(str(kept["run_id"]))
+            if kept_uri != shown:
+                self._keep(run.info.run_id, shown)
         except Exception as exc:
-            logger.warning("MLflow: the run kept in %s is unusable (%s); starting a new MLflow run", ID_FILE, exc)
+            logger.warning(
+                "MLflow: the run kept in %s is unusable (%s); starting a new MLflow run", ID_FILE, redact_text(str(exc))
+            )
             return None
         return None if run.info.lifecycle_stage == "deleted" else run
 
@@ -177,4 +187,6 @@ class MlflowRun:
             call()
         except Exception as exc:  # a metric never fails training: warned once, MLflow is off from here on
             self._on, self._pending = False, []
-            logger.warning("MLflow metrics are off for the rest of this process: %s: %s", type(exc).__name__, exc)
+            logger.warning(
+                "MLflow metrics are off for the rest of this process: %s: %s", type(exc).__name__, redact_text(str(exc))
+            )
