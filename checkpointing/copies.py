@@ -23,6 +23,9 @@ def copy_checkpoint(storage: Storage, source_key: str, target_key: str) -> str:
     ``t001/checkpoints/<name>`` and ``sweep/exploits/t003-e1/checkpoints/<name>``); returns the copy's URI.
     CorruptCheckpointError when the source does not verify, or the copy did not land whole."""
     source_key, target_key = source_key.strip("/"), target_key.strip("/")
+    for key in (source_key, target_key):  # a key reads as written on S3 and resolved locally: inside the store only
+        if any(part in ("", ".", "..") for part in key.split("/")):
+            raise ValueError(f"copy_checkpoint: {key[:300]!r} has '.', '..' or empty segments; name a key in the store")
     if source_key == target_key:
         raise ValueError(f"copy_checkpoint: source and target are the same ({source_key!r})")
     manifest = _verified_manifest(storage, source_key)

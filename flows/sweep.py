@@ -31,6 +31,7 @@ from checkpointing import Ledger, copy_checkpoint
 from checkpointing.io.storage import Storage
 from flows import cli, ship_module_logs
 from flows.restarts import end_dead_attempts, is_deployment_run, leave
+from flows.sweep_claims import verify_claims
 from flows.sweep_report import SweepReport, SweepResult, done_line
 from flows.train import TrainFlow, check_restart_cap
 from tasks.trial import CHILDREN, SegmentOutcome, run_trial, trial_error
@@ -40,7 +41,7 @@ from training.config.trust import confine_locations, release_locations
 from training.exceptions import TrialStopped
 from training.preemption import Preempted
 from training.recipe.loader import allow_recipe, resolve_recipe
-from training.sweep import Job, Study, SweepConfig, plan, spec_differences, unfinished_segments
+from training.sweep import Job, Study, SweepConfig, checkpoint_key, plan, spec_differences, unfinished_segments
 from training.unit.session import store_retry
 
 __all__ = ["SweepConfig", "SweepResult", "TrainConfig", "main", "sweep"]
@@ -88,8 +89,10 @@ class Sweep:
         self.storage = Storage(self.folder, config.train.storage_options, store_retry(config.train))
         self.ledger = Ledger(self.storage, writer=f"{socket.gethostname()}:{os.getpid()}:{flow_run.id or 'local'}")
         self.events = self.ledger.read()
-        self.study = Study.fold(self.events)
         self.report = SweepReport(config, self.folder)
+        self.study = Study.fold(self.events)
+        for warning in verify_claims(self.study, config, self.storage):  # the ledger is a claim, not a fact
+            self.report.warn(warning)
         self.running: dict[Any, Job] = {}
         self._begin()
 
@@ -145,11 +148,13 @@ class Sweep:
     def _copy(self, exploit: dict[str, Any]) -> str:
         """PBT's exploit: the donor's committed checkpoint copied inside the store (server-side on S3) to where the
         exploiting trial's next run starts from; a copy an attempt left half done is simply made again."""
-        donor: str = exploit["donor_checkpoint"]
-        prefix = f"{self.storage.uri()}/"
-        if not donor.startswith(prefix):
-            raise ConfigError(f"sweep {self.config.sweep_name}: the donor checkpoint is outside the sweep folder")
-        source = donor[len(prefix) :]
+        donor = self.study.trials[exploit["donor"]]
+        source = checkpoint_key(exploit["donor_checkpoint"], self.storage.uri(), donor.runs())
+        if source is None:
+            raise ConfigError(
+                f"sweep {self.config.sweep_name}: the donor checkpoint {str(exploit['donor_checkpoint'])[:300]!r} is "
+                f"not one of {donor.name}'s own checkpoints in the sweep folder"
+            )
         target = f"sweep/exploits/{exploit['run_name']}/checkpoints/{source.rsplit('/', 1)[-1]}"
         return copy_checkpoint(self.storage, source, target)
 

@@ -97,6 +97,14 @@ def _normalized(value: str, option: str) -> str | None:
     return f"{protocol}://{'/'.join(segments)}"
 
 
+def location_within(value: str, folder: str) -> bool:
+    """Whether the location ``value`` is ``folder`` or lies below it, both normalized as the roots are (a local
+    path made absolute, so '..' is resolved; a remote URL with '.', '..' or empty segments lies nowhere): the one
+    comparison of locations for every rule that confines one (a sweep's copies and checkpoints too)."""
+    where, root = _normalized(value, "location"), _normalized(folder, "folder")
+    return where is not None and root is not None and _within(where, root)
+
+
 def _within(where: str, root: str) -> bool:
     return where == root or where.startswith(root.rstrip("/") + "/")
 

@@ -4,7 +4,7 @@ and the schedulers (FIFO, ASHA, PBT) that decide from the study alone. Pure code
 The face: ``from training.sweep import SweepConfig, Study, plan, unfinished_segments, Job, Plan``.
 """
 
-from training.sweep.config import SweepConfig, spec_differences
+from training.sweep.config import SweepConfig, checkpoint_key, spec_differences
 from training.sweep.schedulers import Job, Plan, plan, rungs, trial_name, unfinished_segments
 from training.sweep.space import apply, check_space, perturb, trial_parameters
 from training.sweep.study import Event, Study, Trial
@@ -18,6 +18,7 @@ __all__ = [
     "Trial",
     "apply",
     "check_space",
+    "checkpoint_key",
     "perturb",
     "plan",
     "rungs",

@@ -9,13 +9,13 @@ whose spec changed.
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from checkpointing.manifest import validate_name
+from checkpointing.manifest import is_valid_name, validate_name
 from training.config import ConfigError, Duration, TrainConfig, describe_error
+from training.config.trust import location_within
 from training.sweep.space import MAX_TRIALS, Space, apply, check_space, count_trials
 
 _IDENTITY = ("recipe", "recipe_args", "seed", "shuffle", "save_interval", "max_duration", "global_batch_size")
@@ -176,10 +176,13 @@ class SweepConfig(BaseModel):
                 f"the trial {run_name}'s parameters name {unknown}, which the space does not search: the sweep's ledger "
                 f"was written by another search or altered; start a new sweep_name"
             )
-        folder = self.sweep_folder if "://" in self.sweep_folder else os.path.abspath(self.sweep_folder)  # as Storage
-        if load_path is not None and not load_path.startswith(f"{folder}/sweep/exploits/"):
+        if (
+            load_path is not None
+            and checkpoint_key(load_path, self.sweep_folder, [f"sweep/exploits/{run_name}"]) is None
+        ):
             raise ConfigError(
-                f"the trial {run_name} would start from outside its sweep's copies: the ledger was altered; start a "
+                f"the trial {run_name} would start from outside its sweep's copies ({str(load_path)[:300]!r} is not "
+                f"{self.sweep_folder}/sweep/exploits/{run_name}/checkpoints/<name>): the ledger was altered; start a "
                 f"new sweep_name"
             )
         fields = apply(self.train.model_dump(), params)
@@ -203,6 +206,22 @@ class SweepConfig(BaseModel):
         spec = self.model_dump(mode="json", exclude=_NOT_SPEC)
         spec["train"] = {key: getattr(self.train, key) for key in _IDENTITY}
         return spec
+
+
+def checkpoint_key(location: Any, folder: str, runs: list[str]) -> str | None:
+    """``<run>/checkpoints/<name>`` when ``location`` is exactly that checkpoint folder under ``folder`` for one of
+    ``runs`` (compared after normalisation: no '..', no empty segments); None when it is anywhere else."""
+    if not isinstance(location, str) or len(location) > 4096:
+        return None
+    name = location.rstrip("/").rsplit("/", 1)[-1]
+    if not is_valid_name(name):
+        return None
+    for run in runs:
+        key = f"{run}/checkpoints/{name}"
+        expected = f"{folder.rstrip('/')}/{key}"
+        if location_within(location, expected) and location_within(expected, location):
+            return key
+    return None
 
 
 def spec_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -48,6 +49,8 @@ class Trial:
     load_path: str | None = None  # where its next segment starts (an exploit's copy), None: the run autoresumes
     paused_at: int | None = None  # ASHA: the rung a trial_paused event last named
     error: str | None = None
+    claimed_in: dict[int, int] = field(default_factory=dict)  # unit number -> seq of the event that reported it
+    last_seq: int = -1  # of the last event about this trial (the one that set its state)
 
     @property
     def reached(self) -> int:
@@ -65,11 +68,30 @@ class Trial:
             return float(value)
         return None
 
-    def merge_units(self, units: Iterable[dict[str, Any]]) -> None:
+    def merge_units(self, units: Iterable[dict[str, Any]], seq: int = -1) -> None:
         """A unit reported again (a later segment of the trial) replaces the earlier entry."""
         by_number = {u["unit"]: u for u in self.units}
-        by_number.update({int(u["unit"]): dict(u) for u in units})
+        for u in units:
+            by_number[int(u["unit"])] = dict(u)
+            self.claimed_in[int(u["unit"])] = seq
         self.units = [by_number[n] for n in sorted(by_number)]
+
+    def runs(self) -> list[str]:
+        """Every run this trial trained: its own, then one per exploit (``t003-e1``, ...; never another trial's)."""
+        own = re.compile(rf"^{re.escape(self.name)}-e[0-9]{{1,6}}$")
+        return [self.name, *(str(e.get("run_name")) for e in self.lineage if own.match(str(e.get("run_name"))))]
+
+    def keep_units(self, verified: list[dict[str, Any]], total: int) -> None:
+        """Only ``verified`` units count (the ledger claimed more): a trial whose state rests on units it does not
+        have is pending again, and its run resumes from its newest checkpoint (an exploit's run with none starts
+        from its copy again). ``total``: the units of the whole budget, which a completed trial has."""
+        self.units = sorted(verified, key=lambda u: u["unit"])
+        needs = total if self.state == "completed" else self.target_units if self.state == "paused" else 0
+        if self.reached < needs:
+            self.state = "pending"
+            self.paused_at = None
+            if self.lineage and not any(u.get("run_name") == self.run_name for u in self.units):
+                self.load_path = self.lineage[-1].get("copy")
 
 
 @dataclass
@@ -86,15 +108,15 @@ class Study:
         """The study the events make, replayed in ``seq`` order."""
         study = cls()
         for event in sorted(events, key=lambda e: e.seq):
-            study.apply(event.kind, event.body)
+            study.apply(event.kind, event.body, event.seq)
             study.last_seq = event.seq
         return study
 
     def copy(self) -> Study:
         return copy.deepcopy(self)
 
-    def apply(self, kind: str, body: dict[str, Any]) -> None:
-        """One event's change; an unknown kind changes nothing (a newer writer's extra events)."""
+    def apply(self, kind: str, body: dict[str, Any], seq: int = -1) -> None:
+        """One event's change (``seq``: its number); an unknown kind changes nothing (a newer writer's extra events)."""
         if kind == "sweep_started":
             self.spec = body.get("spec")
         elif kind == "sweep_finished":
@@ -102,8 +124,12 @@ class Study:
         elif kind == "trial_created":
             name = body["trial"]
             self.trials[name] = Trial(name, int(body["index"]), dict(body["params"]), run_name=name)
+        elif kind == "segment_finished":
+            _segment_finished(self.trials[body["trial"]], body, seq)
         elif kind in _TRIAL_EVENTS:
             _TRIAL_EVENTS[kind](self.trials[body["trial"]], body)
+        if kind in _TRIAL_EVENTS or kind == "segment_finished":
+            self.trials[body["trial"]].last_seq = seq
 
     def by_index(self) -> list[Trial]:
         return sorted(self.trials.values(), key=lambda t: t.index)
@@ -163,8 +189,8 @@ def _segment_started(trial: Trial, body: dict[str, Any]) -> None:
     trial.load_path = body.get("load_path")
 
 
-def _segment_finished(trial: Trial, body: dict[str, Any]) -> None:
-    trial.merge_units({"run_name": body["run_name"], **u} for u in body.get("units") or [])
+def _segment_finished(trial: Trial, body: dict[str, Any], seq: int = -1) -> None:
+    trial.merge_units(({"run_name": body["run_name"], **u} for u in body.get("units") or []), seq)
     trial.units_trained += int(body.get("units_trained") or 0)
     if body.get("started_from"):
         trial.started_from.append(body["started_from"])
@@ -205,7 +231,6 @@ def _exploit(trial: Trial, body: dict[str, Any]) -> None:
 
 _TRIAL_EVENTS = {
     "segment_started": _segment_started,
-    "segment_finished": _segment_finished,
     "trial_paused": _paused,
     "trial_promoted": _promoted,
     "trial_stopped": _stopped,
