@@ -21,11 +21,10 @@ Formats (``format``):
 - ``"jsonl"``: one JSON value per non-empty line (a dict, usually); a line longer than ``max_sample_bytes`` stops the
   run with one line instead of reading 10 GB into memory.
 - ``"parquet"``: one row per sample, a dict of column -> value (``columns`` picks some); needs pyarrow.
+- ``"mds"`` (MosaicML Streaming) and ``"webdataset"`` (tars): other tools' formats, read in training/data/formats/.
 
 Shards of a remote store are read whole into a local cache folder bounded by ``cache_bytes`` (least recently used
-shards leave first), and memory-mapped from there; a local folder is read in place. WebDataset tars and MosaicML MDS
-are not read: a tar's samples are only found by reading it through (no index inside), and MDS ships its own resumable
-reader tied to a fixed global batch size, which is what this one exists to avoid.
+shards leave first), and memory-mapped from there; a local folder is read in place.
 """
 
 from __future__ import annotations
@@ -49,15 +48,20 @@ from torch.utils.data import Dataset
 
 from checkpointing.errors import TierUnavailable
 from checkpointing.host_tier import private_dir
+from checkpointing.io.confine import roots as confine_roots
 from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import parse_json
-from training.data.index import Shard, open_index
+from training.config.text import parse_json as parse_json_text
+from training.config.trust import DATA_OPTIONS_ENV, check_read_location, refuse_storage_options
+from training.data.formats import OTHER_FORMATS
+from training.data.index import INDEX_FILE, Shard, cache_name, check_local, fetch, open_index
 from training.exceptions import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("tokens", "jsonl", "parquet")
+FORMATS = ("tokens", "jsonl", "parquet", *OTHER_FORMATS)
 EXTENSIONS = {"tokens": (".bin", ".npy"), "jsonl": (".jsonl",), "parquet": (".parquet",)}
+EXTENSIONS.update({name: f.extensions for name, f in OTHER_FORMATS.items()})
 TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
 CACHE_ENV = "TRAIN_DATA_CACHE_DIR"
 _MIX = 0x5AD_5EED  # keeps the data order's stream apart from any other seeded by the same (seed, epoch)
@@ -97,9 +101,9 @@ class ShardedDataset(Dataset):
             raise ConfigError(f"vocab_size={vocab_size!r}: use a whole number >= 1, or None to leave tokens unchecked")
         if type(max_sample_bytes) is not int or max_sample_bytes < 1:
             raise ConfigError(f"max_sample_bytes={max_sample_bytes!r}: use a whole number of bytes >= 1")
+        self.storage_options = _options(url, storage_options)  # before any I/O: a confined run's checks
         self.url, self.format, self.block_size, self.dtype = url, format, block_size, dtype
         self.columns = list(columns) if columns is not None else None
-        self.storage_options = dict(storage_options or {})
         self.shuffle_window, self.cache_bytes, self.max_sample_bytes = shuffle_window, cache_bytes, max_sample_bytes
         self.vocab_size = vocab_size
         self.cache_dir = cache_dir or os.environ.get(CACHE_ENV) or _default_cache_dir()
@@ -111,7 +115,9 @@ class ShardedDataset(Dataset):
         self._fetcher: ThreadPoolExecutor | None = None
         self._fetching: dict[int, Future[str]] = {}
         params: dict[str, Any] = {"block_size": block_size, "dtype": dtype} if format == "tokens" else {}
-        self.index = open_index(self.storage, format, params, EXTENSIONS[format], self._count)
+        self.meta = OTHER_FORMATS[format].prepare(self) if format in OTHER_FORMATS else None
+        bound = _MAX_SAMPLES[format](self) if format in _MAX_SAMPLES else None
+        self.index = open_index(self.storage, format, params, EXTENSIONS[format], self._count, bound)
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"ShardedDataset({self.url!r}, {self.format!r}, {len(self.index.shards)} shards, {len(self)} samples)"
@@ -212,9 +218,13 @@ class ShardedDataset(Dataset):
         if storage.is_local:
             f = storage.open_read(shard.name)
             size = os.fstat(f.fileno()).st_size
-            if size != shard.size:
+            try:
+                if size != shard.size:
+                    raise _size_error(storage, shard, size)
+                check_local(shard, f, storage.uri(shard.name), storage.uri(INDEX_FILE))  # its bytes, not only its size
+            except BaseException:
                 f.close()
-                raise _size_error(storage, shard, size)
+                raise
             return f
         with self._lock:
             pending = self._fetching.pop(j, None) if j is not None else None
@@ -229,13 +239,16 @@ class ShardedDataset(Dataset):
     def _count(self, name: str, size: int) -> int:
         """A shard's samples, for an index being built."""
         shard = Shard(name, size, 0)
+        if self.format in OTHER_FORMATS:
+            return OTHER_FORMATS[self.format].count(self, name, size)
         if self.format == "tokens":
             tokens = _token_count(self.storage, shard, self.dtype)
             return max(0, (tokens - 1) // int(self.block_size))  # type: ignore[arg-type]
         if self.format == "parquet":
             with self.storage.open_read(name) as f:
                 return int(_parquet_file(f, self.storage, name).metadata.num_rows)
-        with contextlib.closing(_JsonlReader(self, shard, self._local(shard), counting=True)) as reader:
+        # read where it lies (not into the cache: the copy there is named by the fingerprint, taken after the count)
+        with contextlib.closing(_JsonlReader(self, shard, self.storage.open_read(name), counting=True)) as reader:
             return reader.count
 
 
@@ -342,7 +355,8 @@ class _ParquetReader(_Reader):
         return self.table.take(ks).to_pylist()  # one gather for a batch's rows of this shard
 
 
-_READERS: dict[str, type[_Reader]] = {"tokens": _TokenReader, "jsonl": _JsonlReader, "parquet": _ParquetReader}
+_READERS: dict[str, Any] = {"tokens": _TokenReader, "jsonl": _JsonlReader, "parquet": _ParquetReader}
+_READERS.update({name: f.reader for name, f in OTHER_FORMATS.items()})
 
 
 def _token_layout(f: Any, name: str, dtype: str, size: int, storage: Storage) -> tuple[np.dtype, int, int]:
@@ -430,6 +444,37 @@ def _parquet_file(f: Any, storage: Storage, name: str) -> Any:
         raise DataError(f"{storage.uri(name)}: not a Parquet file pyarrow reads ({type(exc).__name__})") from None
 
 
+# -- where from ----------------------------------------------------------------------------------------------------
+def _options(url: str, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The store's fsspec options: ``given``, else the worker's ``TRAIN_DATA_STORAGE_OPTIONS`` (JSON). In a confined
+    run (a deployment run's processes) ``url`` must lie under the worker's roots and only the worker's options apply:
+    options given by a recipe, which may have them from the run's parameters, are refused (training/config/trust.py)."""
+    check_read_location(url, "ShardedDataset url")
+    if given and confine_roots() is not None:
+        refuse_storage_options(given, "ShardedDataset storage_options")
+    if given:
+        return dict(given)
+    raw = os.environ.get(DATA_OPTIONS_ENV)
+    options = parse_json_text(raw, DATA_OPTIONS_ENV) if raw else {}
+    if not isinstance(options, dict):
+        raise ConfigError(
+            f"{DATA_OPTIONS_ENV}: give the data's storage options as a JSON object, not {type(options).__name__}"
+        )
+    return options
+
+
+def _token_bound(ds: ShardedDataset) -> Callable[[int], int]:
+    itemsize, block = np.dtype(ds.dtype).itemsize, int(ds.block_size)  # type: ignore[arg-type]
+    return lambda size: max(0, (size // itemsize - 1) // block)
+
+
+# The most samples a shard of ``size`` bytes can hold, per format (others: a byte a sample, training/data/index.py).
+_MAX_SAMPLES: dict[str, Callable[[ShardedDataset], Callable[[int], int]]] = {
+    "tokens": _token_bound,
+    "jsonl": lambda ds: lambda size: (size + 1) // 2,  # a non-empty line and a newline between lines
+}
+
+
 # -- the cache -----------------------------------------------------------------------------------------------------
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -452,7 +497,7 @@ def _cache_fetch(storage: Storage, shard: Shard, root: str, max_bytes: int) -> s
         )
     folder = os.path.join(root, hashlib.sha256(storage.url.encode()).hexdigest()[:32])
     _own_folders(root, folder)
-    target = os.path.join(folder, shard.name)
+    target = os.path.join(folder, cache_name(shard))
     if _cached(target, shard):
         return target
     # One download at a time into a cache folder, across this machine's processes (loader workers, ranks, the read-
@@ -465,7 +510,7 @@ def _cache_fetch(storage: Storage, shard: Shard, root: str, max_bytes: int) -> s
         _evict(root, shard.size, max_bytes)
         part = f"{target}.part-{os.getpid()}-{threading.get_ident()}"
         try:
-            size = storage.download(shard.name, part, shard.size)
+            size = fetch(storage, shard, part, storage.uri(INDEX_FILE))  # its fingerprint checked on the way
             if size != shard.size:
                 raise _size_error(storage, shard, size)
             os.replace(part, target)
