@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from checkpointing import Ledger
+from checkpointing import Ledger, copy_checkpoint
 from checkpointing.io.storage import Storage
 from flows.sweep import Sweep
 from flows.sweep_report import SweepReport
@@ -211,3 +212,23 @@ def test_a_load_path_that_leaves_the_sweeps_copies_is_refused_in_one_line(tmp_pa
     assert "\n" not in str(refused.value)
     copy = f"{sweep}/sweep/exploits/t000-e1/checkpoints/{name}"
     assert config.trial_config(params, "t000-e1", 1, load_path=copy).load_path == copy
+
+
+def test_on_an_object_store_a_load_path_with_dot_dot_lies_nowhere() -> None:
+    train = TrainConfig(save_folder="memory://bucket/runs", recipe=SYNTHETIC, max_duration="2ep", save_interval="1ep")
+    config = SweepConfig(train=train, sweep_name="sw", space={"recipe_args.lr": {"grid": [0.01, 0.1]}})
+    escape = "memory://bucket/runs/sw/sweep/exploits/../../../other/checkpoints/ep1-ba2-sa64"
+    with pytest.raises(ConfigError, match="outside its sweep's copies"):
+        config.trial_config({"recipe_args.lr": 0.01}, "t000-e1", 1, load_path=escape)
+
+
+def test_pbt_copies_only_a_donors_own_checkpoint_and_keys_never_climb(folder) -> None:
+    config = sweep_config(folder)
+    opened = Sweep(config, untrusted=False)
+    name = opened.study.trials["t000"].units[-1]["checkpoint"].rsplit("/", 1)[-1]
+    escape = f"{opened.storage.uri()}/t000/checkpoints/../../../elsewhere/checkpoints/{name}"
+    exploit = {"donor": "t000", "donor_checkpoint": escape, "run_name": "t001-e1"}
+    with pytest.raises(ConfigError, match="not one of t000's own checkpoints"):
+        opened._copy(exploit)
+    with pytest.raises(ValueError, match="or empty segments"):
+        copy_checkpoint(Storage(f"memory://{uuid.uuid4().hex}/sw"), "t000/checkpoints/../../x", "sweep/exploits/a")
