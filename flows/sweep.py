@@ -111,7 +111,7 @@ class Sweep:
     def record(self, kind: str, body: dict[str, Any]) -> None:
         event = self.ledger.append(kind, body)
         self.events.append(event)
-        self.study.apply(event.kind, event.body)
+        self.study.apply(event.kind, event.body, event.seq)
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> SweepResult:
