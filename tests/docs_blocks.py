@@ -1,7 +1,7 @@
 """The fenced blocks of the project's Markdown pages, and the doc-test marker written right before a fence.
 
-Shared by tests/integration/test_docs.py (which runs every shell block) and tests/unit/test_docs_links.py
-(which reads the pages without running anything). A marker is an HTML comment on the last non-blank line
+Shared by tests/integration/test_docs.py (which runs every shell block), tests/unit/test_docs_links.py and
+tests/unit/test_docs_convention.py (which read the pages without running anything). A marker is an HTML comment on the last non-blank line
 before the fence, invisible on GitHub:
 
     <!-- doc-test: skip (why it cannot run unattended) -->
@@ -20,6 +20,11 @@ SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
 MARKER = re.compile(r"^<!--\s*doc-test:\s*(?P<body>.*?)\s*-->$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 EXPECT = re.compile(r"^\s*# -> (?P<text>.+?)\s*$")
+# The one command convention of the pages: the project's interpreter by its path, `.venv/bin/python -m ...` and
+# `.venv/bin/pip install ...`, which work without an activated venv (a bare `python -m flows.train` there fails
+# with "No module named 'fsspec'", or runs another Python). A bare python/pip is a word of its own, not a path's end.
+BARE_COMMAND = re.compile(r"(?<![\w./$-])(?P<cmd>python3?|pip3?)(?=\s|$)")
+COMMENT = re.compile(r"(^|\s)#.*$")
 
 
 def doc_pages() -> list[Path]:
@@ -51,6 +56,23 @@ class Block:
         if self.lang != "console":
             return self.text
         return "\n".join(line[2:] for line in self.text.splitlines() if line.startswith("$ "))
+
+    def bare_commands(self) -> list[str]:
+        """What breaks the command convention: one line per bare ``python``/``pip`` in this shell block (comments
+        aside), saying where and what to write instead; empty for a block that is not shell."""
+        if not self.is_shell:
+            return []
+        found = []
+        for i, line in enumerate(self.text.splitlines()):
+            if self.lang == "console" and not line.startswith("$ "):
+                continue  # a console block's output
+            for m in BARE_COMMAND.finditer(COMMENT.sub("", line.removeprefix("$ "))):
+                found.append(
+                    f"{self.path.relative_to(ROOT)}:{self.line + 1 + i}: bare `{m['cmd']}` in {line.strip()!r}: "
+                    f"write `.venv/bin/{m['cmd'].rstrip('3')}` (works without an activated venv, as in README.md "
+                    f"and docs/running.md)"
+                )
+        return found
 
     @property
     def expected(self) -> list[str]:

@@ -14,7 +14,10 @@ A block that cannot run unattended says so right before its fence (tests/docs_bl
                                                            SIGINT when the page is done; no process may survive it
     <!-- doc-test: exits 2 -->                             a command that is meant to fail, with that status
 
-A block with no marker runs: a new block cannot rot unnoticed, and skipping one takes a written reason.
+A block with no marker runs: a new block cannot rot unnoticed, and skipping one takes a written reason. Every shell
+block, run or skipped, calls the project's interpreter by its path (``.venv/bin/python -m ...``, ``.venv/bin/pip``):
+a page with a bare ``python``/``pip`` fails before anything runs (Block.bare_commands; the venv on PATH here would
+hide what a reader without an activated venv meets).
 
 One Prefect server is started for the module, and the pages' commands reach it through PREFECT_API_URL, as after
 `make server` (otherwise each `python -m flows.train` would start a temporary one: 7-15 s apiece here). PREFECT_PORT
@@ -71,6 +74,8 @@ def test_every_shell_block_of_the_page_runs_as_written(page: Path, tmp_path: Pat
         pytest.fail("the .venv is not up to date: run `make install` (make test does)")
     found, problems = blocks(page)
     assert not problems, problems
+    bare = [line for block in found for line in block.bare_commands()]  # tests/unit/test_docs_convention.py too
+    assert not bare, "\n".join(bare)
     repo = _scratch_copy(tmp_path / "repo")
     terminal = _Terminal(repo, tmp_path, _environment(repo, tmp_path, prefect_api))
     try:
