@@ -3,7 +3,8 @@
     python -m checkpointing ls runs/exp1                    # table of a run's checkpoints
     python -m checkpointing ls runs/sweep1                  # a sweep folder: table of its trials, the best one
     python -m checkpointing ls runs/exp1 --best loss --order min   # those reporting loss, lowest first
-    python -m checkpointing verify runs/exp1                # sha256 of every file; exit 1 if any is bad
+    python -m checkpointing verify runs/exp1                # sha256 of every file; exit 1 if any is bad (a
+                                                            # dead writer's uncommitted leftover is not: torn.py)
     python -m checkpointing verify runs/exp1 --name ep3-ba24-sa768   # one checkpoint
     python -m checkpointing export runs/exp1 model.pt       # weights + recipe, recipe_args, version
     python -m checkpointing export runs/exp1 model.safetensors     # the same as safetensors
@@ -31,6 +32,7 @@ from checkpointing.io.untrusted import printable
 from checkpointing.ledger import EVENTS, Event, Ledger
 from checkpointing.manifest import is_valid_name
 from checkpointing.store import CHECKPOINTS, POINTER, CheckpointInfo, CheckpointStore, validate_name
+from checkpointing.torn import leftover, torn_folders
 from checkpointing.uris import split_run_uri
 
 
@@ -229,11 +231,14 @@ def cmd_verify(args, options) -> int:
     if not names:
         print(f"no checkpoints in {printable(store.uri)}", file=sys.stderr)
         return 1
+    torn_names, claim = set(torn_folders(store)), store.fence.newest()  # a dead writer's leftover is not damage
+    named = (store.read_pointer() or {}).get("name")
     bad = 0
     for n in names:
         problems = store.check(n, deep=True)
-        print(printable(f"{n}: {'ok' if not problems else 'BAD: ' + '; '.join(problems)}"))
-        bad += bool(problems)
+        left = leftover(store, n, torn_names, claim, named) if problems else None
+        print(printable(left or f"{n}: {'ok' if not problems else 'BAD: ' + '; '.join(problems)}"))
+        bad += bool(problems) and left is None
     return 1 if bad else 0
 
 

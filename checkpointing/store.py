@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from checkpointing import pointer, rollbacks
+from checkpointing import pointer, rollbacks, torn
 from checkpointing.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -62,6 +62,9 @@ from checkpointing.serialization import safe_load, serialize
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
+# (store URI, checkpoint name) being written by this process, whichever store object writes it: a claim's clean-up
+# of torn folders (torn.py) never removes one (a snapshot pipeline of an earlier run may still be uploading)
+_WRITING: set[tuple[str, str]] = set()
 CHECKPOINTS = "checkpoints"
 
 __all__ = [
@@ -331,6 +334,7 @@ class CheckpointStore:
         self.check_fence(writer)
         prefix = self._key(name)
         self._in_flight.add(name)
+        _WRITING.add((self.uri, name))
         entries = {f: in_background(describe, d) for f, d in blobs.items()}  # hashed while the files upload
         try:
             self.storage.delete(f"{prefix}/{MANIFEST}")  # a re-save first un-commits the old copy
@@ -339,6 +343,7 @@ class CheckpointStore:
             return self._publish(name, {f: e.result() for f, e in entries.items()}, progress, metadata, writer)
         finally:
             self._in_flight.discard(name)
+            _WRITING.discard((self.uri, name))
 
     def _begin(self, name: str, writer: Writer) -> None:
         """Makes way for files that ``_commit_files`` will commit: checks the fence (a stale writer writes
@@ -347,6 +352,7 @@ class CheckpointStore:
         validate_name(name, "checkpoint name")
         self.check_fence(writer)
         self.delete(name)
+        _WRITING.add((self.uri, name))  # until _commit_files ends (a write that fails before leaves it: kept here)
 
     def _commit_files(
         self,
@@ -369,6 +375,7 @@ class CheckpointStore:
             return self._publish(name, entries, progress, metadata, writer)
         finally:
             self._in_flight.discard(name)
+            _WRITING.discard((self.uri, name))
 
     def _publish(
         self,
@@ -494,10 +501,17 @@ class CheckpointStore:
         """Claims a writer generation higher than any claimed before (see fencing.py); with ``handover_seconds``, a
         live previous holder is first asked to commit where it stands and stop. First it repairs ``latest`` if it
         is damaged (``_repair_pointer``): every flow start and torchrun unit claims, so the first writer of a
-        relaunch repairs what a kill left, and the repaired pointer's generation is the claim's floor again."""
+        relaunch repairs what a kill left, and the repaired pointer's generation is the claim's floor again. Once
+        claimed, it removes the folders older writers began and never committed (torn.py)."""
         self._repair_pointer()
         floor = (self.read_pointer() or {}).get("generation", 0)
-        return self.fence.claim(floor=floor, label=label, owner=owner, handover_seconds=handover_seconds)
+        generation = self.fence.claim(floor=floor, label=label, owner=owner, handover_seconds=handover_seconds)
+        writing = self._in_flight | {name for uri, name in set(_WRITING) if uri == self.uri}
+        try:
+            torn.remove_fenced_out(self, generation, writing)
+        except Exception as exc:  # best effort: they are never read, and the next writer tries again
+            log.warning("%s: could not remove torn checkpoint folders of earlier writers: %s", self.uri, exc)
+        return generation
 
     def _repair_pointer(self) -> str | None:
         """Rewrites ``latest`` when it is there but unreadable (empty after a kill mid-write, torn, altered) or
