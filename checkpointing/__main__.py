@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpointing import host_tier_gc
 from checkpointing.errors import CheckpointError, StorageError
 from checkpointing.io.protocols import check_store_url
 from checkpointing.io.storage import Storage
@@ -290,6 +291,7 @@ def _parser() -> argparse.ArgumentParser:
         help="torch (default) or safetensors (the default for a .safetensors name); the recipe, recipe_args and "
         "product version go beside the weights",
     )
+    host_tier_gc.add_parser(sub)
     return parser
 
 
@@ -307,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        return {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export}[args.command](args, options)
+        command = {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export, "gc": host_tier_gc.cmd_gc}[args.command]
+        return command(args, options)
     except (CheckpointError, StorageError, ValueError, OSError) as exc:  # LedgerError is a CheckpointError
         print(f"error: {printable(exc)}", file=sys.stderr)
         return 1

@@ -40,13 +40,14 @@ from typing import Any
 import xxhash
 
 from checkpointing.errors import CheckpointError, TierUnavailable
+from checkpointing.host_tier_cap import allocation_lock, check_room
 from checkpointing.serialization import safe_load
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "/dev/shm"
 ROOT_ENV = "TRAIN_HOST_TIER_DIR"
-FORMAT = 1
+FORMAT = 2  # 2: the record carries a checksum of its own fields (record_xxh)
 MAX_RECORD_BYTES = 64 << 20
 MAX_TREE_BYTES = 256 << 20
 MAX_SLOTS = 3
@@ -113,14 +114,18 @@ class Record:
             "format": FORMAT,
             "tensors": [[t.offset, t.dtype, list(t.shape)] for t in self.tensors],
         }
-        return json.dumps(body, allow_nan=False).encode()
+        fields = json.loads(json.dumps(body, allow_nan=False))  # as a reader will parse it (tuples, int keys)
+        return json.dumps({**fields, "record_xxh": _fields_checksum(fields)}, allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, data: bytes, store_uri: str) -> Record:
-        """The record, or ValueError: every field typed and bounded (a slot is read as untrusted bytes)."""
+        """The record, or ValueError: its checksum must match its fields (progress, generation, the claim: all of
+        them), and every field is typed and bounded (a slot is read as untrusted bytes)."""
         raw = json.loads(data)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("store_uri") != store_uri:
             raise ValueError("not a record of this run's format")
+        if raw.pop("record_xxh", None) != _fields_checksum(raw):
+            raise ValueError("its fields do not match the record's checksum")
         progress, metadata = raw.get("progress"), raw.get("metadata")
         if not isinstance(progress, dict) or not all(_is_count(v) for v in progress.values()):
             raise ValueError("progress is not a table of counts")
@@ -150,6 +155,11 @@ class Record:
             store_uri,
             float(created) if isinstance(created, int | float) else 0.0,
         )
+
+
+def _fields_checksum(fields: dict[str, Any]) -> str:
+    """xxHash3 of a record's fields in one canonical form (sorted keys, no spaces): a bit set in any of them shows."""
+    return checksum(json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False).encode())
 
 
 def _is_count(value: Any) -> bool:
@@ -229,6 +239,7 @@ class HostTier:
         # A shared lock, held while this process uses the folder (the kernel drops it when the process dies): another
         # process's sweep of abandoned folders (_sweep_stale) never removes one that a live process holds. Taken after
         # a sweep that was removing this very folder has finished: then the folder is made again.
+        self._user_fd = -1
         for _ in range(3):
             self._fd = self._open_private(user_dir, self.key)
             with contextlib.suppress(OSError):
@@ -240,24 +251,27 @@ class HostTier:
 
     # -- the folder ---------------------------------------------------------------------------------
     def _open_private(self, user_dir: str, key: str) -> int:
-        try:
-            root_fd = os.open(self.root, _DIR_FLAGS)
-        except OSError as exc:
-            raise TierUnavailable(f"{self.root} cannot be opened ({exc.strerror})") from exc
+        root_fd = _open_root(self.root)
         try:
             user_fd = private_dir(root_fd, os.path.basename(user_dir), user_dir)
         finally:
             os.close(root_fd)
         try:
             _sweep_stale(user_fd, keep=key)
-            return private_dir(user_fd, key, self.path)
-        finally:
+            fd = private_dir(user_fd, key, self.path)
+        except BaseException:
             os.close(user_fd)
+            raise
+        if self._user_fd >= 0:
+            os.close(self._user_fd)
+        self._user_fd = user_fd  # kept: the cap is measured (and the allocation lock taken) on it
+        return fd
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-        self._fd = -1
+        for fd in (self._fd, self._user_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fd = self._user_fd = -1
 
     def remove(self) -> None:
         """Deletes every file of the run's folder (all ranks'), then the folder: the run completed."""
@@ -278,17 +292,21 @@ class HostTier:
         name = self._file(index, "data")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._fd)
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd)
-        try:
-            os.posix_fallocate(fd, 0, max(size, 1))  # reserved now: a full /dev/shm fails here, not as SIGBUS later
-            return Slot(index, size, mmap.mmap(fd, max(size, 1)), shared=True, filesystem=self.filesystem)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=self._fd)
-            why = "not enough shared memory" if exc.errno in (errno.ENOSPC, errno.ENOMEM) else exc.strerror
-            raise TierUnavailable(f"{self.path}: {size / 1e6:.0f} MB cannot be reserved ({why})") from exc
-        finally:
-            os.close(fd)
+        with allocation_lock(self._user_fd):
+            check_room(self._user_fd, max(size, 1), self.path)  # TierFull past TRAIN_HOST_TIER_MAX_BYTES
+            fd = os.open(
+                name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd
+            )
+            try:
+                os.posix_fallocate(fd, 0, max(size, 1))  # reserved now: a full /dev/shm fails here, not as SIGBUS
+                return Slot(index, size, mmap.mmap(fd, max(size, 1)), shared=True, filesystem=self.filesystem)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._fd)
+                why = "not enough shared memory" if exc.errno in (errno.ENOSPC, errno.ENOMEM) else exc.strerror
+                raise TierUnavailable(f"{self.path}: {size / 1e6:.0f} MB cannot be reserved ({why})") from exc
+            finally:
+                os.close(fd)
 
     def invalidate(self, index: int) -> None:
         """The slot no longer holds a snapshot: its record goes first, before any of its bytes change."""
@@ -373,6 +391,23 @@ class HostTier:
             return
         with os.fdopen(fd, "rb", buffering=0) as f:
             yield f
+
+
+def _open_root(root: str) -> int:
+    """The tier's root folder, opened; one named by TRAIN_HOST_TIER_DIR that does not exist yet is made (0700)."""
+    try:
+        return os.open(root, _DIR_FLAGS)
+    except FileNotFoundError:
+        if root == DEFAULT_ROOT:
+            raise TierUnavailable(f"{root} does not exist on this machine") from None
+    except OSError as exc:
+        raise TierUnavailable(f"{root} cannot be opened ({exc.strerror})") from exc
+    try:
+        os.makedirs(root, 0o700, exist_ok=True)
+        log.info("host-memory tier: made %s (mode 0700) as %s names it", root, ROOT_ENV)
+        return os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        raise TierUnavailable(f"{root} ({ROOT_ENV}) cannot be made or opened ({exc.strerror})") from exc
 
 
 def filesystem_type(path: str) -> str:

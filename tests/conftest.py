@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -54,6 +57,54 @@ os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES
 HOST_TIER_DIR = tempfile.mkdtemp(prefix="host-tier-")
 os.environ["TRAIN_HOST_TIER_DIR"] = HOST_TIER_DIR
 atexit.register(shutil.rmtree, HOST_TIER_DIR, True)
+_popen_init = subprocess.Popen.__init__
+
+
+def _popen_with_tier_dir(self, *args, **kwargs):
+    """Every child gets the session's tier folder, also one started with an environment of its own (``env={...}``
+    without TRAIN_*: a "fresh user"), so no test run puts snapshots in /dev/shm: one full suite left 8.2 GB there."""
+    env = kwargs.get("env")
+    if isinstance(env, dict) and "TRAIN_HOST_TIER_DIR" not in env and b"TRAIN_HOST_TIER_DIR" not in env:
+        key, value = ("TRAIN_HOST_TIER_DIR", HOST_TIER_DIR)
+        if env and all(isinstance(k, bytes) for k in env):
+            key, value = key.encode(), value.encode()  # type: ignore[assignment]
+        kwargs["env"] = {**env, key: value}
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _popen_with_tier_dir  # type: ignore[method-assign]
+
+
+def tier_folders_of(session_tmp: str, root: str = "/dev/shm") -> list[str]:
+    """This user's tier folders under ``root`` whose records name a store inside ``session_tmp`` (this session's
+    runs: another session's, or a live user's, are never counted, so the check cannot fail for them)."""
+    user = Path(root) / f"resumable-train-{os.getuid()}"
+    found = []
+    with contextlib.suppress(OSError):
+        for folder in user.iterdir():
+            for record in folder.glob("r*-s*.json"):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    uri = json.loads(record.read_bytes()[: 64 << 20]).get("store_uri", "")
+                    if isinstance(uri, str) and uri.removeprefix("file://").startswith(session_tmp):
+                        found.append(str(folder))
+                        break
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_snapshots_left_in_shared_memory(tmp_path_factory):
+    """Fails the session, loudly, when a test's run put snapshots in /dev/shm (they are removed first)."""
+    yield
+    left = tier_folders_of(str(tmp_path_factory.getbasetemp()))
+    for folder in left:
+        shutil.rmtree(folder, ignore_errors=True)
+    if left:
+        pytest.fail(
+            f"runs of this session left snapshots in /dev/shm (removed now): {left}; a child process was "
+            f"started without TRAIN_HOST_TIER_DIR"
+        )
+
+
 # Streaming shards read from a bucket are cached (training/data/shards.py) in this session's folder, not ~/.cache.
 DATA_CACHE_DIR = tempfile.mkdtemp(prefix="data-cache-")
 os.environ["TRAIN_DATA_CACHE_DIR"] = DATA_CACHE_DIR

@@ -21,13 +21,13 @@ from checkpointing import CheckpointStore, Writer, ranks
 from checkpointing import commit as commits
 from checkpointing.commit import Committer, CommitTerms, PendingCommit, Retention
 from checkpointing.host_tier import HostTier, TierUnavailable
+from checkpointing.host_tier_gc import claim_of, sweep_on_open
 from checkpointing.names import checkpoint_name
 from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline
 from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
 from training.start.identity import run_identity
 from training.unit import rng
-from training.unit.host_memory import claim_of
 from training.unit.session import SINGLE_PROCESS, UNIT_SO_FAR, Session, World, rng_file
 from training.unit.state import SMALL
 
@@ -292,6 +292,8 @@ def open_pipeline(store: CheckpointStore, rank: int, config: TrainConfig) -> Sna
             tier = HostTier(store.uri, rank)
         except TierUnavailable as exc:
             logger.warning("host-memory tier off for this run: %s; snapshots stay in private memory", exc)
+    if tier is not None and rank == 0:
+        sweep_on_open(tier)  # other runs' snapshots that no relaunch would resume from leave this machine's memory
     return SnapshotPipeline(store.uri, rank, tier)
 
 

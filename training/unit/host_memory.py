@@ -21,6 +21,7 @@ from typing import Any
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
 from checkpointing.host_tier import HostTier, Record, TierUnavailable
+from checkpointing.host_tier_gc import not_resumable
 from checkpointing.manifest import Manifest, Writer
 from checkpointing.store import CheckpointInfo
 from training.config import TrainConfig
@@ -28,12 +29,6 @@ from training.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 HOST_URI = "host-memory://"  # what a snapshot read from the tier names as its URI (it may not be in the store yet)
-
-
-def claim_of(store: CheckpointStore, generation: int) -> dict[str, Any]:
-    """What the store's claim of ``generation`` says of who made it (what a snapshot records, and is matched on)."""
-    claim = store.fence.read(generation)
-    return {"claimed_at": claim.claimed_at, "host": claim.host, "pid": claim.pid}
 
 
 def newest_snapshot(
@@ -83,7 +78,7 @@ def sharded_snapshot(config: TrainConfig, store: CheckpointStore, rank: int, siz
             latest = store.latest() if common else None
             for name in common:  # newest first
                 record = mine[name][1]
-                why = _not_resumable(store, record, latest)
+                why = not_resumable(store, record, latest)
                 if not why and record.metadata.get("world_size") != size:
                     why = f"it was taken on {record.metadata.get('world_size')} process(es), this run has {size}"
                 if why:
@@ -93,7 +88,7 @@ def sharded_snapshot(config: TrainConfig, store: CheckpointStore, rank: int, siz
             return None
 
         chosen = ranks.on_rank0(choose)
-        objects = tier.load(*mine[chosen], rank) if chosen is not None and tier is not None else None
+        objects = _load(tier, *mine[chosen], rank) if chosen is not None and tier is not None else None
         if chosen is None or not _on_every_rank(objects is not None):
             return None
         assert objects is not None
@@ -116,11 +111,11 @@ def _newest(store: CheckpointStore, name: str | None = None) -> LoadedCheckpoint
         for index, record in records:
             if name is not None and record.name != name:
                 continue
-            why = _not_resumable(store, record, latest)
+            why = not_resumable(store, record, latest)
             if why:
                 logger.info("host-memory snapshot %s not used: %s", record.name, why)
                 return None  # the older ones are older still
-            objects = tier.load(index, record, 0)
+            objects = _load(tier, index, record, 0)
             if objects is not None:
                 return LoadedCheckpoint(_info(store, record), objects)
         return None
@@ -137,21 +132,22 @@ def _on_every_rank(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _not_resumable(store: CheckpointStore, record: Record, latest: CheckpointInfo | None) -> str:
-    if latest is not None and _position(record.progress) <= _position(latest.progress):
-        return f"the store's {latest.name} is as far along"
-    if latest is not None and latest.manifest.writer.generation > record.generation:
-        return f"a newer writer (generation {latest.manifest.writer.generation}) committed {latest.name}"
-    if any(rb.get("generation", 0) > record.generation for rb in store.rollbacks()):
-        return "the run was rolled back after it was taken"
-    if record.metadata.get("claim") != claim_of(store, record.generation):
-        return f"the store no longer holds the claim of writer generation {record.generation} it was taken under"
-    return ""
-
-
-def _position(progress: dict[str, int]) -> tuple[int, int]:
-    """How far along: samples seen, then steps (a loop of its own may count reports only)."""
-    return progress.get("samples_seen", 0), progress.get("step", 0)
+def _load(tier: HostTier, index: int, record: Record, rank: int) -> dict[str, Any] | None:
+    """The snapshot's objects when they verify and the position in its tree is the one its record gives (the record
+    chooses the slot and says how far along it is: both must be the snapshot's own); None otherwise."""
+    objects = tier.load(index, record, rank)
+    if objects is None:
+        return None
+    trees = [v["progress"] for v in objects.values() if isinstance(v, dict) and isinstance(v.get("progress"), dict)]
+    if not trees or any({k: tree.get(k) for k in record.progress} != record.progress for tree in trees):
+        logger.warning(
+            "host-memory tier: slot %d of rank %d (%s) records a position its snapshot does not hold; not used",
+            index,
+            rank,
+            record.name,
+        )
+        return None
+    return objects
 
 
 def _info(store: CheckpointStore, record: Record) -> CheckpointInfo:
