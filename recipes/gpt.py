@@ -16,7 +16,9 @@ shifted by one): the sample id is the offset, so the product's sampler owns the 
 Streaming mode (``recipe_args={"data_url": "s3://bucket/tokens/", "vocab_size": 50304}``): token shards as nanoGPT's
 ``prepare.py`` writes them (``.bin`` uint16, or ``.npy``), in a folder or a bucket, read through
 ``training.data.ShardedDataset``; sample ``k`` is the ``k``-th non-overlapping block of a shard (docs/data-position.md).
-``data_options`` are the store's fsspec options (an endpoint; credentials come from the environment, never here).
+``data_options`` are the store's fsspec options (an endpoint; credentials come from the environment, never here); a
+deployment run refuses them and any ``data_url``/``val_url`` outside the worker's ``TRAIN_ALLOWED_ROOTS``: its data's
+options are the worker's ``TRAIN_DATA_STORAGE_OPTIONS`` (training/config/trust.py, training/data/shards.py).
 """
 
 from __future__ import annotations
@@ -255,8 +257,12 @@ class GPTRecipe:
     def _stream(self, url: str) -> Any:
         from training.data import ShardedDataset
 
-        return ShardedDataset(
-            url, "tokens", block_size=self.block_size, storage_options=self.data_options, vocab_size=self.vocab_size
+        return ShardedDataset(  # no data_options: the worker's TRAIN_DATA_STORAGE_OPTIONS, if any
+            url,
+            "tokens",
+            block_size=self.block_size,
+            storage_options=self.data_options or None,
+            vocab_size=self.vocab_size,
         )
 
     def eval_dataset(self) -> Dataset:

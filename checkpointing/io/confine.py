@@ -8,7 +8,9 @@ team's weights. So while a run with untrusted parameters is open in this process
 store, the ``load_path`` readers and the export touch is reached from its allowed root one component at a time with
 ``openat`` and ``O_NOFOLLOW``: a link anywhere below the root is LinkedLocationError (permanent, one line), whatever
 it points at. The roots themselves, and links above them, are the worker operator's choice. Object stores have no
-links: nothing changes for them. Rank processes inherit the roots through ``ROOTS_ENV`` (set by training/distributed/gang.py);
+links: nothing changes for their files, but the roots in force list the worker's object-store roots too (``remote_roots``),
+so a product reader that opens a URL a run named (training/data/) refuses one outside them before any request. Rank
+processes inherit all the roots through ``ROOTS_ENV`` (set by training/distributed/gang.py);
 ``python -m flows.train`` and ``train()`` from Python never enter this mode.
 """
 
@@ -24,14 +26,17 @@ from collections.abc import Iterator
 from checkpointing.errors import LinkedLocationError
 from checkpointing.io.localfs import LocalFiles
 
-ROOTS_ENV = "TRAIN_CONFINED_ROOTS"  # JSON list of absolute local roots, for the processes a confined run starts
+ROOTS_ENV = (
+    "TRAIN_CONFINED_ROOTS"  # JSON list of the roots (local paths, protocol://bucket/path), for a run's processes
+)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _state: list[list[str]] = []  # the roots in force (innermost last); a global: the committer's threads write too
 
 
 def enter(roots: list[str]) -> None:
-    """From now on local locations must lie under ``roots`` (absolute local paths; empty: no local location)."""
-    _state.append([os.path.abspath(r) for r in roots])
+    """From now on locations must lie under ``roots``: absolute local paths, and ``protocol://bucket/path`` object-store
+    roots already normalized (training/config/trust.py); empty: no location at all."""
+    _state.append([_root(r) for r in roots])
 
 
 def leave() -> None:
@@ -48,18 +53,38 @@ def confined(roots: list[str]) -> Iterator[None]:
         leave()
 
 
-def local_roots() -> list[str] | None:
-    """The local roots in force, or None when this process runs no confined run."""
+def roots() -> list[str] | None:
+    """Every root in force (local and object-store), or None when this process runs no confined run."""
     if _state:
         return _state[-1]
     raw = os.environ.get(ROOTS_ENV)
     if raw is None:
         return None
     try:
-        roots = json.loads(raw)
+        found = json.loads(raw)
     except ValueError:
-        roots = []  # unreadable: confined to nothing rather than free
-    return [os.path.abspath(r) for r in roots if isinstance(r, str)] if isinstance(roots, list) else []
+        found = []  # unreadable: confined to nothing rather than free
+    return [_root(r) for r in found if isinstance(r, str)] if isinstance(found, list) else []
+
+
+def local_roots() -> list[str] | None:
+    """The local roots in force, or None when this process runs no confined run."""
+    every = roots()
+    return None if every is None else [r for r in every if not _is_remote(r)]
+
+
+def remote_roots() -> list[str] | None:
+    """The object-store roots in force (``protocol://bucket/path``), or None when this process runs no confined run."""
+    every = roots()
+    return None if every is None else [r for r in every if _is_remote(r)]
+
+
+def _is_remote(root: str) -> bool:
+    return "://" in root
+
+
+def _root(root: str) -> str:
+    return root if _is_remote(root) else os.path.abspath(root)
 
 
 def root_of(path: str, where: str) -> tuple[str, list[str]]:

@@ -23,6 +23,9 @@ person's own choices and are not checked.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 
@@ -33,6 +36,9 @@ from training.config import ConfigError, TrainConfig
 ROOTS_ENV = "TRAIN_ALLOWED_ROOTS"
 LOCATIONS = ("save_folder", "load_path", "export_on_complete")
 _LOCAL = ("file", "local")
+DATA_OPTIONS_ENV = "TRAIN_DATA_STORAGE_OPTIONS"  # the worker's storage options for data (training/data/shards.py)
+STORAGE_OPTION_KEYS = ("data_options", "storage_options")  # recipe_args keys that would hold storage options
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(::[A-Za-z][A-Za-z0-9+.-]*)*://")
 
 
 def allowed_roots() -> list[str]:
@@ -50,10 +56,16 @@ def local_root_forms() -> list[str]:
     return sorted(set(local) | {os.path.realpath(root) for root in local})
 
 
+def confined_root_forms() -> list[str]:
+    """What a confined run's processes are confined to: the local roots' forms and the object-store roots."""
+    return local_root_forms() + [root for root in allowed_roots() if not root.startswith("/")]
+
+
 def confine_locations(config: TrainConfig) -> None:
     """``check_locations``, then this process's local files stay confined to the roots (each opened from its root,
-    through no link) until ``release_locations``: a deployment run's whole life."""
-    confine.enter(local_root_forms())
+    through no link) until ``release_locations``: a deployment run's whole life. The object-store roots are in force
+    too, for the product's readers of URLs a run names (``check_read_location``)."""
+    confine.enter(confined_root_forms())
     try:
         check_locations(config)
     except BaseException:
@@ -67,21 +79,73 @@ def release_locations() -> None:
 
 def check_locations(config: TrainConfig) -> None:
     """ConfigError unless every location ``config`` names lies under a root this worker allows, with no link below
-    the root on its way."""
+    the root on its way; ``recipe_args`` too: no storage options, and every URL in them under a root."""
     roots = allowed_roots() + local_root_forms()
     for option in LOCATIONS:
         value = getattr(config, option)
-        if value is None:
-            continue
-        where = _normalized(str(value), option)
-        if where is None or not any(_within(where, root) for root in roots):
-            raise ConfigError(
-                f"{option}={value!r} is outside the locations this worker allows ({ROOTS_ENV}="
-                f"{','.join(allowed_roots()) or 'nothing'}); use a location under one of them, or ask the worker's operator to "
-                f"add one to {ROOTS_ENV} in the worker's environment"
-            )
-        if where.startswith("/"):
-            _check_no_link(str(value), option)
+        if value is not None:
+            _check_within(str(value), option, roots, allowed_roots())
+    check_recipe_args(config.recipe_args, roots)
+
+
+def check_recipe_args(args: Any, roots: list[str]) -> None:
+    """A run's ``recipe_args`` choose no storage options (``data_options``, ``storage_options``: they decide where
+    requests go and whose credentials sign them), and every URL in them (``s3://...``, ``file://...``: whatever a
+    recipe may hand a product reader, at any depth) lies under a root."""
+    for name, value in _leaves(args, "recipe_args", 0):
+        if name.rsplit(".", 1)[-1].lower().replace("-", "_") in STORAGE_OPTION_KEYS:
+            refuse_storage_options(value, name)
+        elif isinstance(value, str) and _URL.match(value):
+            _check_within(value, name, roots, allowed_roots())
+
+
+def refuse_storage_options(options: Any, option: str) -> None:
+    """ConfigError for storage options a deployment run's parameters hold (none is fine), naming the first key."""
+    if not options:
+        return
+    key = next(iter(options), "") if isinstance(options, dict) else ""
+    raise ConfigError(
+        f"{option}{f'.{key}' if key else ''}: a deployment run's parameters cannot choose storage options (they "
+        f"decide where requests go and whose credentials sign them); set them in the worker's environment instead "
+        f"({DATA_OPTIONS_ENV} for data, as JSON; TRAIN_STORAGE_OPTIONS for save_folder)"
+    )
+
+
+def check_read_location(value: str, option: str) -> None:
+    """In a confined run (a deployment run, and the processes it starts), ConfigError unless ``value`` lies under
+    one of the roots in force: what a product reader calls before it opens a URL a run may have named (the data's
+    folder or bucket), so a refused location is never listed, read, cached or written to. Elsewhere nothing."""
+    roots = confine.roots()
+    if roots is None:
+        return
+    _check_within(value, option, roots, roots, confine.local_roots())
+
+
+def _check_within(
+    value: str, option: str, roots: list[str], shown: list[str], local_roots: list[str] | None = None
+) -> None:
+    where = _normalized(value, option)
+    if where is None or not any(_within(where, root) for root in roots):
+        raise ConfigError(
+            f"{option}={value!r} is outside the locations this worker allows ({ROOTS_ENV}="
+            f"{','.join(shown) or 'nothing'}); use a location under one of them, or ask the worker's operator to "
+            f"add one to {ROOTS_ENV} in the worker's environment"
+        )
+    if where.startswith("/"):
+        _check_no_link(value, option, local_roots)
+
+
+def _leaves(value: Any, name: str, depth: int) -> Iterator[tuple[str, Any]]:
+    """(dotted name, value) of every entry of a JSON value (bounded depth: recipe_args are bounded when parsed)."""
+    yield name, value
+    if depth > 32:
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{name}.{key}", depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{name}[{i}]", depth + 1)
 
 
 def _normalized(value: str, option: str) -> str | None:
@@ -113,9 +177,9 @@ def _local(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def _check_no_link(value: str, option: str) -> None:
+def _check_no_link(value: str, option: str, local_roots: list[str] | None = None) -> None:
     """ConfigError when a folder or file on the way from the root to a local ``value`` is a symbolic link."""
-    with confine.confined(local_root_forms()):
+    with confine.confined(local_root_forms() if local_roots is None else local_roots):
         try:
             confine.check(fsspec.core.split_protocol(value)[1], f"{option}={value!r}")
         except LinkedLocationError as exc:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import io
 import logging
 import os
@@ -54,7 +53,7 @@ from checkpointing.io.untrusted import parse_json
 from training.config.text import parse_json as parse_json_text
 from training.config.trust import DATA_OPTIONS_ENV, check_read_location, refuse_storage_options
 from training.data.formats import OTHER_FORMATS
-from training.data.index import INDEX_FILE, Shard, cache_name, check_local, fetch, open_index
+from training.data.index import INDEX_FILE, Shard, cache_folder, check_local, fetch, open_index
 from training.exceptions import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -495,9 +494,9 @@ def _cache_fetch(storage: Storage, shard: Shard, root: str, max_bytes: int) -> s
             f"{storage.uri(shard.name)} is {shard.size} bytes, more than cache_bytes={max_bytes}; raise cache_bytes "
             f"above the largest shard"
         )
-    folder = os.path.join(root, hashlib.sha256(storage.url.encode()).hexdigest()[:32])
+    folder = os.path.join(root, cache_folder(storage.url, shard))
     _own_folders(root, folder)
-    target = os.path.join(folder, cache_name(shard))
+    target = os.path.join(folder, shard.name)
     if _cached(target, shard):
         return target
     # One download at a time into a cache folder, across this machine's processes (loader workers, ranks, the read-

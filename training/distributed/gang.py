@@ -100,7 +100,7 @@ class Gang:
         env.update({ADDRESS_ENV: f"127.0.0.1:{self._listener.getsockname()[1]}", TOKEN_ENV: self._token})
         # This process already decided the recipe may run here; its ranks inherit that decision, nothing more.
         recipe = resolve_recipe(self.config.recipe)
-        roots = confine.local_roots()  # a deployment run's ranks stay under the worker's roots
+        roots = confine.roots()  # a deployment run's ranks stay under the worker's roots (local and object-store)
         rendezvous = nodes.choose_rendezvous() if self.config.nnodes > 1 else None
         seat = None
         if rendezvous is not None:

@@ -47,7 +47,7 @@ class Torchrun:
 
     nproc_per_node: int
     recipe: str  # resolved and allowed here: the ranks inherit that decision, nothing more
-    roots: list[str] | None  # the local roots its ranks stay under (a deployment run's); None: not confined
+    roots: list[str] | None  # the roots its ranks stay under (local and object-store; a deployment run's); None: free
     seat: NodeSeat | None = None
 
     def start(self, config: TrainConfig, folder: Path, env: Mapping[str, str]) -> subprocess.Popen:

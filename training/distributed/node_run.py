@@ -29,7 +29,7 @@ from pathlib import Path
 from training.config import TrainConfig
 from training.config.limits import check_limits
 from training.config.machines import node_address
-from training.config.trust import check_locations, local_root_forms
+from training.config.trust import check_locations, confined_root_forms
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.distributed.nodes import NodeOffer
 from training.distributed.processes import kill_group
@@ -48,7 +48,7 @@ def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     check_limits(config)  # ... and this worker's caps on what one run may start (training/config/limits.py)
     recipe = resolve_recipe(config.recipe)  # ... and this worker's recipes
     seat = NodeSeat(offer.nnodes, offer.node_rank, offer.endpoint, offer.rdzv_id, node_address())
-    torchrun = Torchrun(offer.nproc_per_node, recipe, local_root_forms(), seat)  # ranks' files: under these roots
+    torchrun = Torchrun(offer.nproc_per_node, recipe, confined_root_forms(), seat)  # ranks' files and data: under these
     with tempfile.TemporaryDirectory(prefix="node-") as folder:
         logger.info(
             "node %d of %d: starting %d rank process(es), rendezvous %s (%s)",
