@@ -28,6 +28,7 @@ from flows import server
 from flows.server import prefect_api
 from training import preemption
 from training.config import ConfigError, TrainConfig, describe_error, load_config
+from training.config.sources import BoundedCliSource
 from training.config.text import short
 from training.preemption import INTERRUPTED, Preempted
 
@@ -208,7 +209,7 @@ def _print_help(options: type[BaseModel]) -> None:
     )
 
     flags.__doc__ = inspect.cleandoc(options.__doc__ or "")
-    CliSettingsSource(flags, cli_parse_args=["--help"])
+    BoundedCliSource(flags, cli_parse_args=["--help"])  # its help writes JSON flags and factory defaults readably
 
 
 def _settings_error(exc: SettingsError, argv: list[str]) -> str:

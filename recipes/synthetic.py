@@ -1,6 +1,9 @@
 """A synthetic classification task whose model and dataset sizes are arguments (tests, benchmarks).
 
-Samples are a pure function of (seed, sample id), so any process can build the same dataset.
+Samples are a pure function of (seed, sample id), so any process can build the same dataset. Labels come from one
+random linear teacher drawn from ``data_seed``; the eval split's inputs are drawn from ``data_seed + 1`` and labelled
+by the same teacher, so eval accuracy measures what training learned (with a teacher of its own, the eval split was
+another task and scored chance however low the train loss went).
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ from torch import nn
 from torch.utils.data import Dataset
 
 
+def _draw(num_samples: int, in_features: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``num_samples`` inputs, then a teacher, from one generator seeded ``seed`` (the train split's order of draws)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, in_features, generator=g)
+    return x, torch.randn(in_features, num_classes, generator=g)
+
+
 class _Synthetic(Dataset):
-    def __init__(self, num_samples: int, in_features: int, num_classes: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(num_samples, in_features, generator=g)
-        teacher = torch.randn(in_features, num_classes, generator=g)
-        self.y = (self.x @ teacher).argmax(1)
+    def __init__(self, x: torch.Tensor, teacher: torch.Tensor):
+        self.x = x
+        self.y = (x @ teacher).argmax(1)
 
     def __len__(self) -> int:
         return len(self.y)
@@ -46,10 +54,13 @@ class SyntheticRecipe:
         self.dropout = dropout  # draws from torch's RNG every step: resumes must restore it exactly
 
     def train_dataset(self) -> Dataset:
-        return _Synthetic(self.num_samples, self.in_features, self.num_classes, self.data_seed)
+        return _Synthetic(*_draw(self.num_samples, self.in_features, self.num_classes, self.data_seed))
 
     def eval_dataset(self) -> Dataset:
-        return _Synthetic(self.eval_samples, self.in_features, self.num_classes, self.data_seed + 1)
+        """Inputs of their own, labelled by the train split's teacher."""
+        _, teacher = _draw(self.num_samples, self.in_features, self.num_classes, self.data_seed)
+        x, _ = _draw(self.eval_samples, self.in_features, self.num_classes, self.data_seed + 1)
+        return _Synthetic(x, teacher)
 
     def build_model(self) -> nn.Module:
         layers: list[nn.Module] = []

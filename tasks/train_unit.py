@@ -20,6 +20,7 @@ from prefect.runtime import task_run
 from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
+from tasks import stopped_log
 from tasks.nodes import node_launcher
 from training.config import TrainConfig
 from training.exceptions import Permanent
@@ -32,6 +33,7 @@ T = TypeVar("T")
 # The names of a stopped task run's state (a Cancelled one); a preempted deployment run's Scheduled state is named
 # PREEMPTED too (flows/restarts.py).
 PREEMPTED, SUPERSEDED = "Preempted", "Superseded"
+stopped_log.install((PREEMPTED, SUPERSEDED))  # their task runs finish with an INFO line, not Prefect's ERROR
 JITTER = 0.5  # each retry waits its exponential delay times a random factor in [1, 1 + JITTER]
 _JITTER = random.SystemRandom()  # never the training thread's generator (training/unit/rng.py)
 
@@ -101,11 +103,12 @@ _failures: dict[Any, str] = {}
 def retry_delays(config: TrainConfig) -> list[float] | float:
     """Exponential backoff with jitter drawn here, from a generator of our own: Prefect's ``retry_jitter_factor``
     draws from the global ``random`` on the training thread, whose state training seeds and restores, so every
-    run retried after the same wait (and the draw shifted the recipe's stream)."""
+    run retried after the same wait (and the draw shifted the recipe's stream). Rounded to 0.01 s: Prefect prints the
+    delay as given ("Retry 1/2 will start 1.08 second(s) from now", not 16 digits)."""
     if not config.unit_retries:
         return 0
     delays = exponential_backoff(config.retry_delay_seconds)(config.unit_retries)
-    return [d * (1 + JITTER * _JITTER.random()) for d in delays]
+    return [round(d * (1 + JITTER * _JITTER.random()), 2) for d in delays]
 
 
 def unit_task(config: TrainConfig):

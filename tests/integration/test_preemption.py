@@ -260,6 +260,7 @@ def test_ctrl_c_stops_like_sigterm_one_line_exit_130_and_a_committed_checkpoint(
     assert code == INTERRUPTED, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert len(error_lines(out)) == 1 and "interrupted by Ctrl-C (SIGINT): stopped at step" in error_lines(out)[0]
+    assert "| ERROR" not in out, out[-3000:]  # the stopped unit's task run ends INFO (tasks/stopped_log.py)
     store = CheckpointStore(folder, "p")
     info = store.latest(deep=True)
     assert info.progress["step"] == steps_trained(record) and info.progress["step"] % 4 != 0  # at that step, mid-unit

@@ -8,6 +8,8 @@ worker's environment or a person's flags get one ConfigError line, and the file 
 
 from __future__ import annotations
 
+import json
+import re
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -29,10 +31,30 @@ class BoundedEnvSource(EnvSettingsSource):
 
 
 class BoundedCliSource(CliSettingsSource[T]):
-    """Flags; the JSON of a dict or list field (``--recipe_args '{...}'``) within bounds once merged."""
+    """Flags; the JSON of a dict or list field (``--recipe_args '{...}'``) within bounds once merged. Its ``--help``
+    names a dict or list flag's value ``JSON`` and shows a default made by a factory as the JSON to type
+    (pydantic-settings wrote ``dict[str,Any]`` and ``(default factory: TrainConfig.<lambda>)``)."""
 
     def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
         return parse_json(value, f"--{field_name}")
+
+    def _metavar_format_recurse(self, obj: Any) -> str:
+        while typing.get_origin(obj) is typing.Annotated:
+            obj = typing.get_args(obj)[0]
+        if typing.get_origin(obj) in (dict, list) or obj in (dict, list):
+            return "JSON"
+        return str(super()._metavar_format_recurse(obj))
+
+    def _help_format(self, field_name: str, field_info: FieldInfo, *args: Any, **kwargs: Any) -> str:
+        text = str(super()._help_format(field_name, field_info, *args, **kwargs))
+        factory = field_info.default_factory
+        if factory is None or getattr(field_info, "default_factory_takes_validated_data", False):
+            return text
+        default = json.dumps(factory()).replace("%", "%%")  # type: ignore[call-arg]  # argparse formats help with %
+        return _FACTORY.sub(lambda _: f"(default: {default})", text)
+
+
+_FACTORY = re.compile(r"\(default factory: [^()]*\)")
 
 
 def check_flag_json(argv: list[str], fields: Mapping[str, FieldInfo]) -> None:
