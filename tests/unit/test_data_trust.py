@@ -146,7 +146,12 @@ def test_a_url_a_recipe_builds_itself_is_checked_by_the_reader_in_the_run_and_in
             confine.enter([str(allowed), "s3://team/runs"])
         else:  # what training/distributed/gang.py hands its ranks
             monkeypatch.setenv(confine.ROOTS_ENV, json.dumps([str(allowed), "s3://team/runs"]))
-        for url in ("s3://other/tokens", "s3://team/runs-other/x", "s3://team//runs/data", "simplecache::s3://team/runs"):
+        for url in (
+            "s3://other/tokens",
+            "s3://team/runs-other/x",
+            "s3://team//runs/data",
+            "simplecache::s3://team/runs",
+        ):
             with pytest.raises(ConfigError) as info:
                 ShardedDataset(url, "tokens", block_size=BLOCK)
             assert one_line(info.value).startswith(f"ShardedDataset url={url!r} {OUTSIDE}"), how
@@ -167,9 +172,7 @@ def listener():
     running.close()
 
 
-def test_data_options_naming_an_endpoint_are_refused_and_the_endpoint_hears_nothing(
-    two_buckets, listener, make_config
-):
+def test_data_options_naming_an_endpoint_are_refused_and_the_endpoint_hears_nothing(two_buckets, listener, make_config):
     allowed, _ = two_buckets
     attacks = {
         "endpoint_url": {"endpoint_url": listener.url},
@@ -183,13 +186,15 @@ def test_data_options_naming_an_endpoint_are_refused_and_the_endpoint_hears_noth
         with pytest.raises(ConfigError) as info:
             deployment_run(config)
         text = one_line(info.value)
-        assert text.startswith(f"recipe_args.data_options.{key}: {OPTIONS_LINE}") and "TRAIN_DATA_STORAGE_OPTIONS" in text
+        assert (
+            text.startswith(f"recipe_args.data_options.{key}: {OPTIONS_LINE}") and "TRAIN_DATA_STORAGE_OPTIONS" in text
+        )
     assert listener.seen == []
     assert not (allowed / "runs").exists()
 
     # A person's own run (python -m flows.train, train() from Python) keeps them: the same options reach the endpoint.
     args = {"data_url": "s3://team/runs/data", "data_options": attacks["endpoint_url"]}
-    with pytest.raises(ConfigError, match="403|Forbidden|AccessDenied"):  # the listener answers 403
+    with pytest.raises(ConfigError, match=r"403|Forbidden|AccessDenied"):  # the listener answers 403
         Run.open(gpt_config(make_config, args["data_url"], recipe_args=args, store_retry_attempts=1))
     assert listener.seen
 
@@ -234,7 +239,9 @@ def test_a_shard_in_a_bucket_rewritten_with_other_bytes_of_the_same_size_stops_t
     with pytest.raises(DataError) as info:
         ds[40]
     text = one_line(info.value)
-    assert text.startswith(f"{url}/shard-001.bin: its ETag is ") and "the shard was rewritten with other content" in text
+    assert (
+        text.startswith(f"{url}/shard-001.bin: its ETag is ") and "the shard was rewritten with other content" in text
+    )
     assert not [p for p in Path(cache).rglob("shard-001.bin*")]  # not one byte of it kept in the cache
     with pytest.raises(DataError) as info:  # the next launch: the listing says so before anything is read
         ShardedDataset(url, "tokens", block_size=BLOCK, storage_options=options, cache_dir=cache)
