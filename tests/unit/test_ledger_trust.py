@@ -232,3 +232,11 @@ def test_pbt_copies_only_a_donors_own_checkpoint_and_keys_never_climb(folder) ->
         opened._copy(exploit)
     with pytest.raises(ValueError, match="or empty segments"):
         copy_checkpoint(Storage(f"memory://{uuid.uuid4().hex}/sw"), "t000/checkpoints/../../x", "sweep/exploits/a")
+
+
+def test_a_sweep_keeps_every_unit_checkpoint(tmp_path) -> None:
+    """Retention would delete the checkpoints a relaunch verifies each unit by (and PBT copies, and best names)."""
+    train = TrainConfig(save_folder=str(tmp_path), recipe=SYNTHETIC, max_duration="2ep", save_interval="1ep")
+    space = {"recipe_args.lr": {"grid": [0.01, 0.1]}}
+    with pytest.raises(ConfigError, match=r"train\.num_checkpoints_to_keep=1: a sweep keeps every unit checkpoint"):
+        SweepConfig(train=train.model_copy(update={"num_checkpoints_to_keep": 1}), sweep_name="sw", space=space)

@@ -112,6 +112,12 @@ class SweepConfig(BaseModel):
             raise ValueError(
                 f"train.resume_from={self.train.resume_from!r} would roll every trial back: leave it out of a sweep"
             )
+        if self.train.num_checkpoints_to_keep != -1:
+            raise ValueError(
+                f"train.num_checkpoints_to_keep={self.train.num_checkpoints_to_keep}: a sweep keeps every unit "
+                f"checkpoint (its schedulers, PBT's copies and its best checkpoint read them, and each launch "
+                f"verifies them in the store); leave it at -1"
+            )
         if self.search_alg == "optuna":
             self._check_optuna()
         return self
