@@ -99,3 +99,16 @@ def test_the_synthetic_recipe_evaluates_what_it_learned(make_config, train_run):
     result = train_run(make_config(recipe_args={"num_samples": 512}, unit_retries=0, tensorboard=False))
     assert result.metrics["eval_accuracy"] >= 0.6, result.metrics  # 0.83 measured; 0.22 with another teacher
     assert result.metrics["eval_loss"] < 1.0, result.metrics  # 0.40 measured; 3.1 with another teacher
+
+
+def test_the_readme_promises_the_metrics_the_last_line_shows(make_config, train_run):
+    """README.md quotes `make demo`'s last line; its metrics are the final evaluation's, named as done_line writes
+    them (a recipe's evaluate() says 'loss' and 'accuracy'; the line says 'eval_loss', 'eval_accuracy')."""
+    from flows.train import done_line
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    promised = readme.split("`make demo` ends with one line that says what happened: `", 1)[1].split("`", 1)[0]
+    metrics = promised.split(" samples; ", 1)[1].split(". Unit ", 1)[0]  # "eval_loss ..., eval_accuracy ..."
+    pattern = r" samples; " + re.escape(metrics).replace(re.escape("..."), r"\d+\.\d{4}") + r"\. Checkpoint: "
+    line = done_line(train_run(make_config(max_duration="1ep", tensorboard=False)))
+    assert re.search(pattern, line), (metrics, line)
