@@ -14,6 +14,7 @@ that is still alive; closing releases the lease.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -33,7 +34,7 @@ from training.distributed.nodes import NodeLauncher
 from training.position.progress import Progress, at, check_progress, is_complete, is_past, rescaled, unit_index
 from training.preemption import STOP, raise_if_requested
 from training.recipe.loader import uses_own_loop
-from training.start.identity import check_same_run
+from training.start.identity import check_same_run, requested_data_skip, same_data_skip
 from training.start.overwrite import start_over, starts_over
 from training.start.preflight import preflight
 from training.start.rollback import pending_roll_back, roll_back
@@ -128,7 +129,7 @@ class Run:
         start = store.latest()
         over = starts_over(config, store, start, attempt)  # autoresume=False on a run with checkpoints: refused, or
         if start is not None and not over:  # (save_overwrite=True) started over once the run is claimed
-            check_same_run(config, start)
+            check_same_run(config, start, store)
         elif config.load_path and not uses_own_loop(config):
             check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
         rollback_to = pending_roll_back(config, store)  # a bad resume_from fails here, before anything is written
@@ -297,9 +298,12 @@ def check_resumable(config: TrainConfig, start: CheckpointInfo, epoch_size: int)
         return
     listing = f"python -m checkpointing ls {'/'.join(split_run_uri(start.uri)[:2])}"
     fix = f"go back to an earlier checkpoint with resume_from=<name> ({listing})"
-    skipped = bool(start.manifest.metadata.get("data_skip_applied"))
+    progress, applied = Progress.from_dict(start.progress), start.manifest.metadata.get("data_skip_applied")
+    requested = requested_data_skip(config)
+    if requested is not None and not same_data_skip(requested, applied):  # the option places it first (reposition)
+        progress, applied = dataclasses.replace(progress, sample_in_epoch=0), True
     what = f"run {config.run_name!r}: its newest checkpoint {start.name}"
-    check_progress(Progress.from_dict(start.progress), epoch_size, what, fix, skipped=skipped)
+    check_progress(progress, epoch_size, what, fix, skipped=bool(applied))
 
 
 class RepeatGuard:

@@ -313,3 +313,61 @@ def test_when_no_file_reads_the_newest_files_error_is_raised(tmp_path):
         path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(WeightsError, match=rf"\({NEWEST}\).*and none of its 1 older file\(s\) read either"):
         read_peer_checkpoint(str(out / "checkpoint"))
+
+
+# -- the same run relaunched on changed data (MindSpore's resume with the dataset changed, on its own output folder) --
+def test_the_same_run_refused_on_changed_data_names_load_weights_only_and_both_data_skip_options(make_config):
+    train(make_config(max_duration="4ba", save_interval="4ba"))  # half an epoch of 256: sample 128
+    claims = CheckpointStore(make_config().save_folder, "r").fence.newest()
+    with pytest.raises(ConfigError) as info:
+        train(make_config(recipe_args={"num_samples": 64}, max_duration="2ep"))
+    message = str(info.value)
+    assert "recipe_args.num_samples: 256 -> 64" in message and "load_weights_only=true" in message
+    assert "continue this run on it with ignore_data_skip=true (the current epoch restarts at the first " in message
+    assert "or data_skip_steps=<n> (it resumes after n of its batches)" in message
+    assert CheckpointStore(make_config().save_folder, "r").fence.newest() == claims  # refused before the claim
+
+
+@pytest.mark.parametrize("option, sample_in_epoch", [({"ignore_data_skip": True}, 0), ({"data_skip_steps": 1}, 32)])
+def test_the_same_run_relaunched_on_changed_data_with_a_data_skip_option_carries_its_state_over(
+    make_config, caplog, option, sample_in_epoch
+):
+    first = train(make_config(max_duration="4ba", save_interval="4ba"))
+    smaller = make_config(recipe_args={"num_samples": 64}, max_duration="2ep", **option)
+    saved = CheckpointStore(smaller.save_folder, "r").load_latest(["state.pt"]).objects["state.pt"]["state"]
+    with caplog.at_level(logging.WARNING):
+        session, _ = restore(smaller, CheckpointStore(smaller.save_folder, "r"))
+    assert session.progress == Progress(epoch=0, step=4, samples_seen=128, sample_in_epoch=sample_in_epoch,
+                                        global_batch_size=32)  # fmt: skip
+    for i, p in enumerate(session.optimizer.param_groups[0]["params"]):  # the optimizer's state came along
+        assert torch.equal(
+            session.optimizer.state[p]["momentum_buffer"], saved["optimizer"]["state"][i]["momentum_buffer"]
+        )
+    assert "run_name='r' continues on changed data (recipe_args.num_samples: 256 -> 64; checkpoint ep0-ba4-sa128)" in (
+        caplog.text
+    )
+    done = train(smaller)
+    assert first.progress.step == 4 and (done.progress.epoch, done.progress.samples_seen) == (
+        2,
+        128 + 128 - sample_in_epoch,
+    )
+
+
+def test_a_second_data_change_with_the_same_option_places_the_run_again(make_config):
+    train(make_config(max_duration="4ba", save_interval="2ba"))  # sample 128 of 256
+    train(make_config(recipe_args={"num_samples": 128}, ignore_data_skip=True, max_duration="6ba", save_interval="2ba"))
+    store = CheckpointStore(make_config().save_folder, "r")
+    assert store.latest().progress["sample_in_epoch"] == 64  # 2 batches into the 128 samples
+    smaller = make_config(
+        recipe_args={"num_samples": 64}, ignore_data_skip=True, max_duration="8ba", save_interval="2ba"
+    )
+    done = train(smaller)  # the same option, other data: applied again, not "already applied"
+    assert (done.progress.epoch, done.progress.step, done.progress.samples_seen) == (1, 8, 256)
+
+
+def test_a_data_skip_option_does_not_let_a_changed_model_continue_the_run(make_config):
+    train(make_config(max_duration="4ba", save_interval="4ba"))
+    claims = CheckpointStore(make_config().save_folder, "r").fence.newest()
+    with pytest.raises(ConfigError, match=r"continued on changed data, does not fit the model this configuration "):
+        train(make_config(recipe_args={"num_samples": 256, "hidden": 16}, ignore_data_skip=True, max_duration="1ep"))
+    assert CheckpointStore(make_config().save_folder, "r").fence.newest() == claims

@@ -23,7 +23,7 @@ from training.recipe.context import RunContext
 from training.recipe.hooks import Hooks
 from training.recipe.loader import Recipe, load_recipe, open_dataset
 from training.start import carry_over
-from training.start.identity import check_same_run
+from training.start.identity import check_same_run, requested_data_skip, same_data_skip
 from training.start.load_path import read_checkpoint
 from training.start.warm_start import load_start, load_weights
 from training.unit import rng
@@ -332,12 +332,6 @@ def _refuse_sharded(store: CheckpointStore) -> None:
         )
 
 
-def requested_data_skip(config: TrainConfig) -> dict[str, Any] | None:
-    if not config.ignore_data_skip and config.data_skip_steps is None:
-        return None
-    return {"ignore_data_skip": config.ignore_data_skip, "data_skip_steps": config.data_skip_steps}
-
-
 def reposition(config: TrainConfig, session: Session) -> None:
     """Carries the data position over to this run's global batch size, and applies the data-skip options
     once per run: the checkpoint records that they were applied, so a restart does not skip again."""
@@ -370,7 +364,7 @@ def reposition(config: TrainConfig, session: Session) -> None:
         )
     p.global_batch_size = new
     requested = requested_data_skip(config)
-    if requested is None or requested == session.data_skip_applied:
+    if requested is None or same_data_skip(requested, session.data_skip_applied):
         session.data_skip_applied = requested
         return
     session.data_skip_applied = requested
