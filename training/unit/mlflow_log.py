@@ -92,6 +92,8 @@ class MlflowRun:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         uri = os.environ[URI_ENV].strip()
         shown = redact_uri(uri)  # what is stored and logged: the password stays in this process
+        if shown != uri:  # MLflow prints "View run ... at <tracking URI>" to stdout when a run ends
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         client = MlflowClient(tracking_uri=uri)
         run = self._kept_run(client, shown)
         params = params_of(self.config)
