@@ -77,7 +77,7 @@ def test_webdataset_written_by_shardwriter_reads_back_as_webdataset_reads_it(sto
 def test_samples_grouped_by_key_as_webdataset_groups_them(tmp_path):
     import webdataset as wds
 
-    members = [("a/x.1.txt", b"one", "file"), ("a/x.1.JSON", b"[1]", "file"), ("__meta__", b"m", "file"),
+    members = [("a/x.1.txt", b"one", "file"), ("a/x.1.JSON", b"[1]", "file"), ("__meta__/k.txt", b"m", "file"),
                ("a", None, "dir"), ("a/x.2.txt", b"two", "file"), ("noext", b"?", "file"), ("b/x.1.txt", b"b", "file")]  # fmt: skip
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "s.tar").write_bytes(tar_bytes(members))

@@ -1,0 +1,61 @@
+"""MDS (as MDSWriter writes it) and WebDataset tars (as webdataset.ShardWriter writes them) trained by real processes
+that are really SIGKILLed (the process group: every rank) at a random step, and relaunched with another world size and
+global batch size (2 ranks x 32 -> 1 rank x 48): each sample is fed exactly once in the epoch, read back from the data
+itself. One scenario per format (MDS on S3 over HTTP, WebDataset on a local
+folder); tests/integration/test_streaming_kill.py runs the longer one for token shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+
+import pytest
+
+from tests.format_data import BLOCK, MDS_FIXTURES, MDS_SAMPLES, write_wds
+from tests.format_recipes import FORMAT_RECORDING
+from tests.integration.test_streaming_kill import launch
+from tests.unit.test_data_formats import upload
+from tests.unit.test_sharded_data import consumed, keep_records
+
+pytestmark = pytest.mark.slow
+N = MDS_SAMPLES
+LAUNCHES = [(2, 32, 1), (1, 48, None)]  # (ranks, global batch size, killed after this many steps (random up to 4x))
+
+
+def command(fmt: str, folder: str, options: dict | None, url: str, record, nproc: int, batch: int, until: str) -> list:
+    args = {"data_format": fmt, "data_url": url, "data_options": options or {}, "vocab_size": 512, "block_size": BLOCK,
+            "n_layer": 1, "n_head": 1, "n_embd": 8, "record_dir": str(record)}  # fmt: skip
+    return [
+        sys.executable, "-m", "tests.run_lifecycle", "--run_name", "fmt", "--save_folder", folder,
+        "--storage_options", json.dumps(options or {}), "--recipe", FORMAT_RECORDING, "--recipe_args", json.dumps(args),
+        "--nproc_per_node", str(nproc), "--global_batch_size", str(batch), "--max_duration", until,
+        "--save_interval", "2ba", "--snapshot_interval", "1ba", "--seed", "11",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,where", [("mds", "s3"), ("webdataset", "local")])
+def test_a_kill_and_a_world_and_batch_size_change_feed_every_sample_once(request, tmp_path, monkeypatch, fmt, where):
+    monkeypatch.setenv("TRAIN_ALLOWED_RECIPES", f"{os.environ['TRAIN_ALLOWED_RECIPES']},{FORMAT_RECORDING}")
+    if fmt == "mds":
+        data = tmp_path / "source"
+        shutil.copytree(MDS_FIXTURES / "zstd", data)
+    else:
+        write_wds(tmp_path / "source", N)
+    if where == "s3":
+        folder, options = request.getfixturevalue("s3")
+        url = upload(tmp_path / "source", f"{folder.rsplit('/', 1)[0]}/data", options)
+    else:
+        folder, options, url = str(tmp_path / "runs"), None, str(tmp_path / "source")
+    rng, record, launches = random.Random(fmt), tmp_path / "record", []
+    for n, (nproc, batch, kill) in enumerate(LAUNCHES):
+        cmd = command(fmt, folder, options, url, record, nproc, batch, "1ep")
+        # the first launch is killed at a random step (one record per rank per step), past its first checkpoint or not
+        kill_after = rng.randint(1, 4) * nproc if kill else None
+        launch(cmd, tmp_path / f"launch{n}.log", kill_after, record)
+        launches.append(keep_records(record, tmp_path / f"launch{n}"))
+    fed = consumed(launches)
+    assert len(list(launches[0].glob("read-rank*.txt"))) == 2  # the killed launch trained on both ranks
+    assert sorted(fed) == list(range(N))  # each sample exactly once in the epoch, across the kill and the changes
