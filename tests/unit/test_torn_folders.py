@@ -130,3 +130,26 @@ def test_a_claim_removes_only_folders_without_a_manifest_that_nobody_is_writing(
     assert generation == 2
     assert sorted(p.name for p in folders.iterdir()) == ["ep0-ba1-sa16", "ep0-ba2-sa32", "ep0-ba3-sa48", "ep0-ba5-sa80"]
     assert [i.name for i in store.candidates()] == ["ep0-ba3-sa48", "ep0-ba2-sa32"]
+
+
+def test_on_every_store_verify_tells_a_leftover_and_the_next_claim_removes_torn_folders(backend, capsys):
+    from checkpointing.manifest import Writer
+
+    folder, options = backend
+    store = CheckpointStore(folder, "r", storage_options=options)
+    writer = Writer.current(store.claim_generation(label="first"), "first")
+    for step in (1, 2):
+        progress = {"epoch": 0, "step": step, "samples_seen": 16 * step}
+        store.save(f"ep0-ba{step}-sa{16 * step}", {"state.pt": {"step": step}}, progress=progress, writer=writer)
+    for torn in ("ep0-ba3-sa48-g1", "ep0-ba3-sa48"):  # objects of a commit cut short: no manifest (S3: no folder)
+        store.storage.put(f"checkpoints/{torn}/state.pt", b"torn")
+    Fence(store.storage).claim(floor=0)  # generation 2, which died before it cleaned
+    capsys.readouterr()
+    code = checkpoint_cli(["verify", store.uri, "--storage-options", json.dumps(options or {})])
+    out = capsys.readouterr().out
+    assert "ep0-ba3-sa48-g1: leftover of writer generation 1" in out and "ep0-ba1-sa16: ok" in out
+    assert code == 1 and "ep0-ba3-sa48: BAD: ep0-ba3-sa48: no readable manifest.json" in out  # generation unknown
+
+    assert store.claim_generation(label="next") == 3
+    assert store._folders() == ["ep0-ba1-sa16", "ep0-ba2-sa32"]
+    assert checkpoint_cli(["verify", store.uri, "--storage-options", json.dumps(options or {})]) == 0
