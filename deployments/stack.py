@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments import postgres, private_paths
+from deployments.server_output import ServerOutput, relay
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"
@@ -123,15 +125,30 @@ class Stack:
         return proc
 
 
-def start_server(stack: Stack, log: Path | None = None) -> subprocess.Popen:
+def start_server(stack: Stack, log: Path | None = None, terminal: bool = False) -> subprocess.Popen:
     """``prefect server start`` on <host>:<port> (127.0.0.1 unless the stack says), on the stack's database. Its
-    home must be this user's and closed to others (private_paths.UntrustedPath): the server writes its state there."""
+    home must be this user's and closed to others (private_paths.UntrustedPath): the server writes its state there.
+    ``terminal`` (`make stack`, `make server`): its output whole in <home>/server.log, and at this terminal without
+    SQLite's lock tracebacks (deployments/server_output.py)."""
     os.close(private_paths.open_folder(stack.home, create_mode=0o755))
-    return _spawn(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", stack.host, "--port", str(stack.port)],
-        stack.server_env(),
-        log,
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", stack.host, "--port", str(stack.port)]
+    if not terminal:
+        return _spawn(command, stack.server_env(), log)
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=stack.server_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
+    assert proc.stdout is not None  # stdout=PIPE
+    relay(proc.stdout, ServerOutput(open(stack.home / "server.log", "a"), _say))  # noqa: SIM115 - the relay's
+    return proc
+
+
+def _say(text: str) -> None:
+    print(text, end="", flush=True)
 
 
 def wait_healthy(stack: Stack, server: subprocess.Popen, timeout: float = 180) -> None:
@@ -163,9 +180,17 @@ def create_pool(stack: Stack, pool: str = POOL) -> None:
         stack.prefect("work-pool", "create", pool, "--type", "process")
 
 
-def deploy(stack: Stack) -> None:
-    """``prefect deploy --all`` with deployments/prefect.yaml, from the project root."""
-    stack.prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML.relative_to(ROOT)), timeout=300)
+def deploy(stack: Stack) -> list[str]:
+    """``prefect deploy --all`` with deployments/prefect.yaml, from the project root; the names it deployed."""
+    proc = stack.prefect(
+        "--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML.relative_to(ROOT)), timeout=300
+    )
+    return deployed(proc.stdout)
+
+
+def deployed(output: str) -> list[str]:
+    """The deployments ``prefect deploy`` says it created or updated ("Deployment 'train/default' successfully ...")."""
+    return re.findall(r"Deployment '([^'\s]+/[^'\s]+)'\s+successfully", output)
 
 
 def install_automations(stack: Stack, *extra_args: str) -> str:
@@ -277,9 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("up", "server"):
             stack.database_url = _database(args, procs)
-            procs.append(("server", start_server(stack)))
+            procs.append(("server", start_server(stack, terminal=True)))
             wait_healthy(stack, procs[-1][1])
-            print(f"Prefect server: API {stack.api_url}, state in {stack.home}, database {stack.describe_database()}")
+            print(
+                f"Prefect server: API {stack.api_url}, state in {stack.home}, database {stack.describe_database()}, "
+                f"log {stack.home / 'server.log'}"
+            )
         if args.command == "up":
             _deploy_all(stack)
         if args.command in ("up", "worker"):
@@ -386,9 +414,9 @@ def _interrupt(signum, frame) -> None:
 
 def _deploy_all(stack: Stack) -> None:
     create_pool(stack)
-    deploy(stack)
+    names = deploy(stack)
     print(install_automations(stack), end="")
-    print("deployed: train/default, rank-node/default, retrain/nightly (cron 0 3 * * * UTC) on work pool", POOL)
+    print(f"deployed: {', '.join(names)} on work pool {POOL} (schedules: deployments/prefect.yaml)")
 
 
 if __name__ == "__main__":
