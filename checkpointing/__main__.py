@@ -52,6 +52,7 @@ def cmd_ls(args, options) -> int:
         return _ls_sweep(Ledger(sweep, SWEEP))
     store, _ = _run_store(args.uri, options)
     if not (store.storage.exists(POINTER) or store.storage.exists(CHECKPOINTS)):
+        store.storage.require_bucket()  # a mistyped bucket is said as such, not as an empty run
         print(
             f"error: no run at {printable(store.uri)} (neither '{POINTER}' nor '{CHECKPOINTS}/' there)", file=sys.stderr
         )

@@ -294,12 +294,19 @@ def _commit_in_background(request: CommitRequest) -> CheckpointInfo:
 
 
 def _commit_and_prune(r: CommitRequest) -> CheckpointInfo:
-    """Commits, then applies retention with the same store (which knows what is in flight)."""
+    """Commits, then applies retention with the same store (which knows what is in flight).
+
+    The whole commit runs under the store's retry policy: a transient fault mid-stream (a streamed file is one
+    request, not retried by itself) tries the commit again until store_retry_max_seconds is spent; its first
+    step removes what the failed try wrote. A full disk or a refused folder is one line naming the checkpoint."""
+    info = r.store.storage._call(f"upload of checkpoint {r.name}", lambda: _commit(r), key=f"{CHECKPOINTS}/{r.name}")
+    r.retention.apply(r.store)
+    return info
+
+
+def _commit(r: CommitRequest) -> CheckpointInfo:
     if r.objects is not None:
         from checkpointing.streaming import save_streaming
 
-        info = save_streaming(r.store, r.name, r.objects, progress=r.progress, metadata=r.metadata, writer=r.writer)
-    else:
-        info = r.store.commit(r.name, r.blobs, progress=r.progress, metadata=r.metadata, writer=r.writer)
-    r.retention.apply(r.store)
-    return info
+        return save_streaming(r.store, r.name, r.objects, progress=r.progress, metadata=r.metadata, writer=r.writer)
+    return r.store.commit(r.name, r.blobs, progress=r.progress, metadata=r.metadata, writer=r.writer)

@@ -421,9 +421,9 @@ class SnapshotPipeline:
             request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, Retention(), {}, objects)
             log.log(level, "writing checkpoint %s to %s", job.name, t.store.uri)
             t0 = time.perf_counter()
-            # A transient fault mid-stream fails the whole file: the commit is tried again from the slot, which
-            # holds still while it uploads (its first step removes what the failed try wrote).
-            info = t.store.storage._call(f"upload of checkpoint {job.name}", lambda: _commit_and_prune(request))
+            # A transient fault mid-stream fails the whole file: _commit_and_prune tries the commit again (under the
+            # store's retry policy) from the slot, which holds still while it uploads.
+            info = _commit_and_prune(request)
             _delete_superseded(t.store, info)
             if not t.metadata.get(INTERMEDIATE):
                 t.retention.apply(t.store)

@@ -17,13 +17,7 @@ from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 import fsspec
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-)
+from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from checkpointing.errors import (
     AccessDeniedError,
@@ -38,6 +32,7 @@ from checkpointing.io import confine
 from checkpointing.io.hashing import BackgroundSha256
 from checkpointing.io.localfs import LocalFiles
 from checkpointing.io.protocols import is_local_fs, protocol_of, with_endpoint_alias
+from checkpointing.io.untrusted import printable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,12 +103,16 @@ _NETWORK_ERRORS = {
 
 @dataclass(frozen=True)
 class RetrySettings:
-    """How hard to try an object-store call before giving up."""
+    """How long to keep trying an object-store call on transient faults: until ``max_seconds`` have passed since its
+    first attempt (no attempt starts later; the wait before the last one is cut to fit), and at least ``attempts``
+    times whatever the clock says (a floor, for a budget that one slow attempt could use up). The wait before retry n
+    is drawn from [0, min(max_wait, initial_wait * 2**(n-1))] (full jitter), so a call keeps asking every few seconds
+    through an outage as long as the budget, and each attempt is one request (no library retries underneath)."""
 
     attempts: int = 6
     max_seconds: float = 120.0
     initial_wait: float = 0.2
-    max_wait: float = 10.0
+    max_wait: float = 4.0
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -382,6 +381,15 @@ class Storage:
 
         self._call(f"delete {key}", rm)
 
+    def require_bucket(self) -> None:
+        """PermanentStorageError naming the bucket when the store says it does not exist (an object store that
+        answers NoSuchBucket); nothing when it exists, has no buckets, or the question itself failed."""
+        if self._missing_bucket():
+            bucket = printable(self.root.split("/", 1)[0])
+            raise PermanentStorageError(
+                f"no such bucket '{bucket}' (in {printable(self.url)}): create it, or fix the bucket's name"
+            )
+
     def _missing_bucket(self) -> bool:
         """After a "not found": was it the bucket? (A HEAD answer has no body to say so.) Checked until the
         bucket is seen once, so a mistyped bucket fails the first read instead of looking like a new run."""
@@ -392,15 +400,16 @@ class Storage:
         return bool(missing)
 
     # -- retry ---------------------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], T], missing_is_error: bool = False) -> T:
+    def _call(self, what: str, fn: Callable[[], T], missing_is_error: bool = False, key: str = "") -> T:
         """Runs ``fn`` with retries. FileNotFoundError passes through for reads (a missing object is an
         answer); for writes, and for reads from a bucket that does not exist, it is a permanent error (else
-        a mistyped bucket would read as "no checkpoint yet" and a run would start over)."""
+        a mistyped bucket would read as "no checkpoint yet" and a run would start over). ``key`` names where a
+        full disk or a refused file is said to be when the OSError itself names no file."""
         r = self.retry
         retrying = Retrying(
             retry=retry_if_exception(_retryable),
-            stop=stop_after_attempt(r.attempts) | stop_after_delay(r.max_seconds),
-            wait=_full_jitter(r.initial_wait, r.max_wait),
+            stop=_stop_when_spent(r),
+            wait=_full_jitter(r),
             before_sleep=lambda state: _log_retry(self.uri(), what, state),
             reraise=True,
         )
@@ -416,7 +425,7 @@ class Storage:
                 f"create it or fix save_folder"
             ) from exc
         except Exception as exc:
-            raise _storage_error(what, self.uri(), exc, self.is_local) from exc
+            raise _storage_error(what, self.uri(), exc, self.is_local, self.uri(key)) from exc
 
 
 _OWN_ERRORS = (LinkedLocationError, CheckpointError, StorageError, ManifestError, DamagedFileError)
@@ -432,14 +441,30 @@ def _retryable(exc: BaseException) -> bool:
 _JITTER = random.Random()  # the store's own generator: never training's (see training/unit/rng.py)
 
 
-def _full_jitter(multiplier: float, maximum: float) -> Callable[[RetryCallState], float]:
-    """tenacity's ``wait_random_exponential`` (uniform in [0, min(max, multiplier * 2**(n-1))]), drawn from
-    the store's own generator: tenacity's draws from the global ``random`` would shift a recipe's stream."""
+def _stop_when_spent(r: RetrySettings) -> Callable[[RetryCallState], bool]:
+    """Stop once the time budget is spent and the floor of attempts is reached (see RetrySettings)."""
+
+    def stop(state: RetryCallState) -> bool:
+        return state.attempt_number >= r.attempts and _elapsed(state) >= r.max_seconds
+
+    return stop
+
+
+def _full_jitter(r: RetrySettings) -> Callable[[RetryCallState], float]:
+    """tenacity's ``wait_random_exponential`` (uniform in [0, min(max_wait, initial_wait * 2**(n-1))]), drawn from
+    the store's own generator (tenacity's draws from the global ``random`` would shift a recipe's stream), cut so
+    that the next attempt starts within the budget: the last one runs when the budget ends, not a back-off later."""
 
     def wait(state: RetryCallState) -> float:
-        return _JITTER.uniform(0, min(maximum, multiplier * 2 ** (state.attempt_number - 1)))
+        drawn = _JITTER.uniform(0, min(r.max_wait, r.initial_wait * 2 ** min(state.attempt_number - 1, 60)))
+        left = r.max_seconds - _elapsed(state)
+        return drawn if state.attempt_number < r.attempts else max(0.0, min(drawn, left))
 
     return wait
+
+
+def _elapsed(state: RetryCallState) -> float:
+    return state.seconds_since_start or 0.0
 
 
 def _first_bytes(chunks: Iterator[bytes], limit: int | None) -> bytes:
@@ -454,9 +479,19 @@ def _first_bytes(chunks: Iterator[bytes], limit: int | None) -> bytes:
     return head[0] if len(head) == 1 else b"".join(head)
 
 
-def _storage_error(what: str, uri: str, exc: Exception, is_local: bool) -> StorageError:
-    """The typed error for a call that failed for good: callers decide on the type, never on the text."""
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NOT_ALLOWED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def _storage_error(what: str, uri: str, exc: Exception, is_local: bool, where: str = "") -> StorageError:
+    """The typed error for a call that failed for good: callers decide on the type, never on the text. A full disk
+    or a refused local file is said in those words, at the path, whatever wrapped the OSError (torch.save turns
+    a failed write into ``RuntimeError: [enforce fail at inline_container...``, the OSError on its chain)."""
     detail = f"{type(exc).__name__}: {exc}"
+    own_errors = _NO_SPACE | _NOT_ALLOWED if is_local else _NO_SPACE  # s3fs says a 403 as EACCES: the credentials
+    os_error = next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in own_errors), None)
+    if os_error is not None:
+        return _os_error(what, where or uri, os_error)
     if is_transient(exc):
         return StorageError(f"{what} at {uri} failed (transient, retries exhausted): {detail}")
     if isinstance(exc, PermissionError) or any(
@@ -473,14 +508,29 @@ def _storage_error(what: str, uri: str, exc: Exception, is_local: bool) -> Stora
     return PermanentStorageError(f"{what} at {uri} failed (permanent): {detail}")
 
 
+def _os_error(what: str, uri: str, exc: OSError) -> PermanentStorageError:
+    """ENOSPC (and quota) or EACCES (and read-only) in the product's words: one line, the path, what to do."""
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    said = f" ({code} on {printable(exc.filename)})" if exc.filename and str(exc.filename) != uri else ""
+    if exc.errno in _NO_SPACE:
+        return PermanentStorageError(
+            f"{what} failed: no space left on device at {uri}{said}; free space there (or choose another "
+            f"save_folder), then run the same command again: it resumes from the last checkpoint"
+        )
+    return AccessDeniedError(
+        f"{what} failed: permission denied at {uri}{said or f' ({code})'}; check that this user may write there "
+        f"(or choose another save_folder), then run the same command again"
+    )
+
+
 def _with_single_retry_layer(protocol: str, options: dict[str, Any], retry: RetrySettings) -> dict[str, Any]:
     """S3 options with botocore's own retries off and each attempt's timeouts within our time budget."""
     if protocol not in ("s3", "s3a"):
         return options
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
-    config.setdefault("connect_timeout", min(10.0, retry.max_seconds))
-    config.setdefault("read_timeout", min(60.0, retry.max_seconds))
+    config.setdefault("connect_timeout", max(1.0, min(10.0, retry.max_seconds)))
+    config.setdefault("read_timeout", max(1.0, min(60.0, retry.max_seconds)))
     return {**options, "config_kwargs": config}
 
 

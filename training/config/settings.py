@@ -209,10 +209,17 @@ class TrainConfig(BaseSettings):
         1.0, description="Base delay of the exponential backoff between unit retries."
     )
     store_retry_attempts: int = Field(
-        6, ge=1, le=100, description="Attempts per object-store call on transient faults."
+        6,
+        ge=1,
+        le=100,
+        description="The fewest attempts of an object-store call on transient faults, however long they take (a "
+        "floor; store_retry_max_seconds decides how long a call keeps trying).",
     )
     store_retry_max_seconds: Annotated[float, finite("store_retry_max_seconds", 1, 86400)] = Field(
-        120.0, description="Give up an object-store call (all its attempts) after this long."
+        120.0,
+        description="How long an object-store call (a whole checkpoint upload included) keeps retrying transient "
+        "faults, an endpoint outage included: no attempt starts later than this after the first (back-off with "
+        "jitter, at most 4 s between attempts), unless store_retry_attempts are not made yet.",
     )
     eval_interval: Annotated[str | None, optional_duration_validator("eval_interval")] = Field(
         None,
