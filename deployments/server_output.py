@@ -10,6 +10,7 @@ traceback, with what follows it until the next record) that is a lock error beco
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -79,14 +80,23 @@ def relay(stream: IO[bytes], output: ServerOutput) -> threading.Thread:
                 break
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
-                output.feed(line.decode(errors="replace") + "\n")
+                _feed(output, line.decode(errors="replace") + "\n")
         if pending:
-            output.feed(pending.decode(errors="replace") + "\n")
+            _feed(output, pending.decode(errors="replace") + "\n")
         output.flush()
 
     thread = threading.Thread(target=run, name="prefect-server-output", daemon=True)
     thread.start()
     return thread
+
+
+def _feed(output: ServerOutput, line: str) -> None:
+    """Never stops reading: a server whose pipe fills up blocks (a full disk under the log shows the line as is)."""
+    try:
+        output.feed(line)
+    except Exception:
+        with contextlib.suppress(Exception):
+            output.show(line)
 
 
 def _power_of_ten(n: int) -> bool:
