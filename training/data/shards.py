@@ -116,7 +116,9 @@ class ShardedDataset(Dataset):
         params: dict[str, Any] = {"block_size": block_size, "dtype": dtype} if format == "tokens" else {}
         self.meta = OTHER_FORMATS[format].prepare(self) if format in OTHER_FORMATS else None
         bound = _MAX_SAMPLES[format](self) if format in _MAX_SAMPLES else None
-        self.index = open_index(self.storage, format, params, EXTENSIONS[format], self._count, bound)
+        other = OTHER_FORMATS.get(format)
+        extensions = other.listed(self.meta) if other is not None and other.listed is not None else EXTENSIONS[format]
+        self.index = open_index(self.storage, format, params, extensions, self._count, bound)
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"ShardedDataset({self.url!r}, {self.format!r}, {len(self.index.shards)} shards, {len(self)} samples)"

@@ -47,3 +47,5 @@ class ShardFormat:
     prepare: Callable[[Any], Any]  # (dataset) -> what every shard's reader needs, read once (kept as ``ds.meta``)
     count: Callable[[Any, str, int], int]  # (dataset, shard name, bytes) -> samples, for an index being built
     reader: type[ShardReader]
+    # (what ``prepare`` returned) -> the endings of this dataset's shards, where they narrow ``extensions``
+    listed: Callable[[Any], tuple[str, ...]] | None = None

@@ -144,6 +144,8 @@ def prepare(ds: Any) -> dict[str, dict[str, Any]]:
             )
         if compression is not None:
             _zstd()  # at construction: a missing dependency is one line before any training
+        if not 0 <= row["samples"] <= max(0, raw[1] - 8) // 4:  # a sample takes 4 bytes of offsets at least
+            raise DataError(f"{where}: a shard of {raw[1]} bytes declares {row['samples']} samples; restore it")
         stored = zipped or raw
         columns = {k: row[k] for k in ("column_names", "column_encodings", "column_sizes")}
         meta[stored[0]] = {"samples": row["samples"], "bytes": stored[1], "raw_bytes": raw[1],
@@ -162,6 +164,12 @@ def prepare(ds: Any) -> dict[str, dict[str, Any]]:
             said = "missing" if size is None else f"{size} bytes"
             raise DataError(f"{where}: shard {name} is {said}, index.json says {entry['bytes']} bytes; restore it")
     return meta
+
+
+def listed(meta: dict[str, dict[str, Any]]) -> tuple[str, ...]:
+    """The endings of this dataset's shards: only ``.mds.zstd`` when every shard is compressed, so that the unpacked
+    copies StreamingDataset leaves beside them (``shard.NNNNN.mds``) are not taken for shards."""
+    return tuple(sorted({".mds.zstd" if entry["zstd"] else ".mds" for entry in meta.values()}))
 
 
 def count(ds: Any, name: str, size: int) -> int:
@@ -305,4 +313,4 @@ def _image(data: bytes) -> Any:
         raise ValueError(type(exc).__name__) from None
 
 
-MDS = ShardFormat(extensions=(".mds", ".mds.zstd"), prepare=prepare, count=count, reader=MDSReader)
+MDS = ShardFormat(extensions=(".mds", ".mds.zstd"), prepare=prepare, count=count, reader=MDSReader, listed=listed)
