@@ -49,6 +49,7 @@ FILE_NAME = re.compile(r"(?P<prefix>.+)-(?P<epoch>\d{1,12})_(?P<step>\d{1,12})\.
 _MAX_NAME = 255
 MAX_TRIED = 8  # files read before giving up: each may be as large as a model
 T = TypeVar("T")
+_WARNED: set[tuple[str, str]] = set()  # damaged files warned of in this process: the start-up check read them first
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,9 @@ def read(chosen: Chosen, where: str, read_file: Callable[[str, str], T]) -> tupl
                 if i + 1 < len(names)
                 else "no older file is left to try"
             )
-            logger.warning("load_path %s: %r does not read (%s); %s", where, name, _short(exc), following)
+            level = logging.INFO if (folder, name) in _WARNED else logging.WARNING  # the unit reads it again
+            _WARNED.add((folder, name))
+            logger.log(level, "%s: %r does not read (%s); %s", where, name, _short(exc), following)
             continue
         if i == 0:
             return chosen, found

@@ -301,9 +301,7 @@ def test_a_truncated_newest_file_is_skipped_with_one_warning_for_the_next_newest
     weights = {n: p.detach() for n, p in session.model.named_parameters()}
     assert same(weights, older_weights())  # the next newest file's weights, exactly
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and NEWEST in r.getMessage()]
-    assert (
-        len(set(warnings)) == 1 and f"the next newest by the {{epoch}}_{{step}} in its name: '{OLDER}'" in warnings[0]
-    )
+    assert len(warnings) == 1 and f"the next newest by the {{epoch}}_{{step}} in its name: '{OLDER}'" in warnings[0]
     assert "the next newest file that reads ('tiny_rank_0-9_4.ckpt'; newer ones are damaged)" in origin.text
 
 
