@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from checkpointing.io.redact import redact_uri
 from checkpointing.manifest import Writer
 from checkpointing.serialization import serialize
 from checkpointing.store import CHECKPOINTS, STATE_FILE, CheckpointInfo, CheckpointStore
@@ -222,7 +223,7 @@ class Committer:
     def commit(self, request: CommitRequest) -> PendingCommit:
         """Commits ``request`` before returning (after any commit still in flight)."""
         self.wait()
-        log.info("writing checkpoint %s to %s", request.name, request.store.uri)
+        log.info("writing checkpoint %s to %s", request.name, redact_uri(request.store.uri))
         return PendingCommit.of(_commit_and_prune(request))
 
     def submit(self, request: CommitRequest) -> PendingCommit:

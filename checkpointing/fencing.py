@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.errors import DamagedFileError, FencedError
+from checkpointing.io.redact import redact_uri
 from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import MAX_CLAIM_BYTES, MAX_INT, MAX_LABEL, as_dict, printable, read_json
 from checkpointing.manifest import Writer
@@ -142,7 +143,7 @@ class Fence:
             time.sleep(min(1.0, LEASE_SECONDS / 2))
             lease = self.read_lease(generation)
             if lease is None or lease.get("released"):
-                log.info("%s: generation %d handed over", self.storage.url, generation)
+                log.info("%s: generation %d handed over", redact_uri(self.storage.url), generation)
                 return True
             if lease.get("beat") != beat:
                 beat, seen_at = lease.get("beat"), time.monotonic()

@@ -56,6 +56,7 @@ from checkpointing.host_tier import (
     layout,
     rebuild,
 )
+from checkpointing.io.redact import redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +420,7 @@ class SnapshotPipeline:
                 job.name = t.store._name_for(t.progress, t.writer.generation)
             # Retention counts unit checkpoints: snapshots inside a unit are deleted first, once superseded.
             request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, Retention(), {}, objects)
-            log.log(level, "writing checkpoint %s to %s", job.name, t.store.uri)
+            log.log(level, "writing checkpoint %s to %s", job.name, redact_uri(t.store.uri))
             t0 = time.perf_counter()
             # A transient fault mid-stream fails the whole file: _commit_and_prune tries the commit again (under the
             # store's retry policy) from the slot, which holds still while it uploads.

@@ -42,6 +42,7 @@ from checkpointing.errors import (
 from checkpointing.fencing import Fence
 from checkpointing.io.hashing import in_background, sha256_hex
 from checkpointing.io.localfs import NOT_A_FILE, TOO_DEEP
+from checkpointing.io.redact import redact_uri
 from checkpointing.io.storage import RetrySettings, Storage
 from checkpointing.io.untrusted import MAX_MANIFEST_BYTES, printable
 from checkpointing.manifest import (
@@ -242,7 +243,7 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         except DamagedFileError as exc:
-            log.warning("%s/%s is unreadable (%s); listing checkpoints instead", self.uri, POINTER, exc)
+            log.warning("%s/%s is unreadable (%s); listing checkpoints instead", redact_uri(self.uri), POINTER, exc)
             return None
 
     def candidates(self, deep: bool = False) -> Iterator[CheckpointInfo]:
@@ -510,7 +511,9 @@ class CheckpointStore:
         try:
             torn.remove_fenced_out(self, generation, writing)
         except Exception as exc:  # best effort: they are never read, and the next writer tries again
-            log.warning("%s: could not remove torn checkpoint folders of earlier writers: %s", self.uri, exc)
+            log.warning(
+                "%s: could not remove torn checkpoint folders of earlier writers: %s", redact_uri(self.uri), exc
+            )
         return generation
 
     def _repair_pointer(self) -> str | None:
@@ -530,7 +533,10 @@ class CheckpointStore:
         if newest is None:
             return None
         log.warning(
-            "%s/%s: rewriting it to name %s, the newest checkpoint that verifies", self.uri, POINTER, newest.name
+            "%s/%s: rewriting it to name %s, the newest checkpoint that verifies",
+            redact_uri(self.uri),
+            POINTER,
+            newest.name,
         )
         pointer.write(self.storage, newest.name, newest.manifest.writer.generation, newest.manifest_sha256)
         return newest.name
@@ -550,7 +556,7 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         except ManifestError as exc:
-            log.warning("checkpoint %s: %s", self.storage.uri(self._key(name)), exc)
+            log.warning("checkpoint %s: %s", redact_uri(self.storage.uri(self._key(name))), exc)
             return None
         return CheckpointInfo(name, self.storage.uri(self._key(name)), manifest, sha256_hex(body))
 

@@ -33,6 +33,7 @@ from prefect.client.schemas.sorting import ArtifactSort
 from prefect.runtime import flow_run
 
 from checkpointing import CheckpointInfo, CheckpointStore
+from checkpointing.io.redact import redact_uri
 from flows import artifact_content as content
 from flows.artifact_content import cell, md_code, md_escape
 from flows.restarts import flow_run_attempt
@@ -232,14 +233,14 @@ class RunReport:
         if len(shown) < len(checkpoints):
             extent = (
                 f"newest {len(shown)} of {len(checkpoints)} (TABLE_ROWS={TABLE_ROWS}; "
-                f"{md_code(f'python -m checkpointing ls {self.store.uri}')} lists all)"
+                f"{md_code(f'python -m checkpointing ls {redact_uri(self.store.uri)}')} lists all)"
             )
         else:
             extent = f"all {len(checkpoints)}"
         self._publish(
             "checkpoints",
             self.checkpoint_rows(shown),
-            f"Checkpoints of {md_escape(self.config.run_name)} in {md_code(self.store.uri)}: {extent}",
+            f"Checkpoints of {md_escape(self.config.run_name)} in {md_code(redact_uri(self.store.uri))}: {extent}",
         )
 
     def checkpoint_rows(self, checkpoints: list[CheckpointInfo]) -> list[dict]:

@@ -13,6 +13,7 @@ from uuid import UUID
 from prefect.runtime import flow_run
 
 from checkpointing import CheckpointInfo, CheckpointStore
+from checkpointing.io.redact import redact_uri
 from flows import artifact_content as content
 from flows.artifact_content import md_code, md_escape
 from flows.restarts import flow_run_attempt, restart_count, retries_of
@@ -104,7 +105,7 @@ def summary_markdown(
     lines = [
         f"# Run {md_code(config.run_name)}",
         "",
-        f"- store: {md_code(store.uri)}",
+        f"- store: {md_code(redact_uri(store.uri))}",  # URIs shown go through redact_uri: no password, no signature
         f"- recipe: {md_code(config.recipe)}, max\\_duration {md_code(config.max_duration)}, "
         f"save\\_interval {md_code(config.save_interval)}, global\\_batch\\_size {config.global_batch_size}",
         f"- {started_line(started_from)}; flow-run restarts so far: {restart_count()}",
@@ -112,7 +113,7 @@ def summary_markdown(
         f"- units trained in this flow run attempt: {len(units)}; resumed from a stored checkpoint: {len(resumed)}",
         f"- unit retries: {'unknown' if retries is None else retries}",
         f"- global batch size changes: {md_escape('; '.join(changes)) if changes else 'none'}",
-        f"- checkpoints: {len(checkpoints)}; last: {md_code(checkpoints[-1].uri) if checkpoints else '-'}",
+        f"- checkpoints: {len(checkpoints)}; last: {md_code(redact_uri(checkpoints[-1].uri)) if checkpoints else '-'}",
         "",
         "| metric | value |",
         "| --- | --- |",
@@ -122,5 +123,5 @@ def summary_markdown(
         svg = content.curve_svg(series, f"{config.run_name}: per unit")
         lines += ["", "## Per unit", "", content.svg_image(svg, "curves"), "", content.curve_summary(series)]
     if curve_uri:
-        lines += ["", f"The same curves as an SVG file in the run folder: {md_code(curve_uri)}"]
+        lines += ["", f"The same curves as an SVG file in the run folder: {md_code(redact_uri(curve_uri))}"]
     return "\n".join(lines)

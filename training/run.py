@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from checkpointing import CheckpointInfo, CheckpointStore
 from checkpointing.export import export_checkpoint
 from checkpointing.fencing import LEASE_STALE, Lease
+from checkpointing.io.redact import redact_text, redact_uri
 from checkpointing.uris import split_run_uri
 from training.config import TrainConfig
 from training.config.limits import check_limits
@@ -158,7 +159,7 @@ class Run:
         logger.info(
             "run %s in %s%s: %s; %s",
             config.run_name,
-            store.uri,
+            redact_uri(store.uri),
             " (train_loop)" if run.own_loop else "",
             run.started_from,
             "nothing left" if run.complete else f"training to {config.max_duration}",
@@ -240,11 +241,12 @@ class Run:
             p.step,
             p.samples_seen,
             len(self.units),
-            uri,
+            redact_uri(uri),
             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics",
         )
         if config.export_on_complete:
-            logger.info(export_checkpoint(uri, config.export_on_complete, storage_options=config.storage_options))
+            exported = export_checkpoint(uri, config.export_on_complete, storage_options=config.storage_options)
+            logger.info(redact_text(exported))
         best = (
             store.best(config.checkpoint_score_attribute, config.checkpoint_score_order)
             if config.checkpoint_score_attribute

@@ -5,10 +5,12 @@ The MLflow side, against a real server: tests/integration/test_mlflow_secrets.py
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
 from checkpointing.io.redact import credential_keys, is_credential_name, redact, redact_text, redact_uri
+from flows.run_summary import summary_markdown  # imports Prefect, whose logging setup must come before caplog's
 from training.unit.mlflow_log import params_of
 
 PASSWORD = "pa55-never-shown"
@@ -141,3 +143,27 @@ def test_the_gpt_recipe_refuses_what_the_word_list_names():
         GPTRecipe(data_url="s3://b/tokens", vocab_size=65, data_options=headers)
     with pytest.raises(ValueError, match="data_options: 'aws_secret_access_key' looks like a credential"):
         GPTRecipe(data_url="s3://b/tokens", vocab_size=65, data_options={"aws_secret_access_key": PASSWORD})
+
+
+def test_a_run_whose_store_uri_carries_a_password_logs_and_summarises_it_masked(train_run, caplog, tmp_path):
+    """memory:// takes any path, so a userinfo in save_folder reaches every line that names the store."""
+    import fsspec
+
+    from checkpointing import CheckpointStore
+    from training.config import TrainConfig
+
+    folder = f"memory://trainer:{PASSWORD}@host/{tmp_path.name}"
+    config = TrainConfig(
+        run_name="r", save_folder=folder, recipe="recipes.synthetic:SyntheticRecipe", recipe_args={"num_samples": 64},
+        max_duration="1ep", save_interval="1ep", global_batch_size=32, seed=7, unit_retries=0,
+    )  # fmt: skip
+    try:
+        with caplog.at_level(logging.INFO):
+            result = train_run(config)
+        store = CheckpointStore(folder, "r")
+        summary = summary_markdown(config, store, result.units, result.metrics, result.started_from, store.list(),
+                                   store.storage.uri("loss.svg"), {})  # fmt: skip
+    finally:
+        fsspec.filesystem("memory").rm(folder.removeprefix("memory://"), recursive=True)
+    assert result.step == 2 and "trainer:***@host" in caplog.text and "trainer:***@host" in summary
+    assert PASSWORD not in caplog.text and PASSWORD not in summary
