@@ -24,6 +24,7 @@ BENCHES = {
     "snapshots": "bench.snapshots",
     "gpu_snapshot": "bench.gpu_snapshot",
     "streaming": "bench.streaming",
+    "formats": "bench.formats",
     "metrics": "bench.metrics",
     "sweep": "bench.sweep_vs_ray",
 }
