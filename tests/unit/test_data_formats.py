@@ -149,6 +149,12 @@ def test_a_damaged_mds_shard_is_one_error_naming_it(tmp_path):
     bad.write_bytes(b"\0" * bad.stat().st_size)  # same size, not zstd
     with pytest.raises(DataError, match=r"shard.00002.mds.zstd: not zstd data"):
         ShardedDataset(str(packed), "mds")[80]
+    index = json.loads((packed / "index.json").read_text())
+    index["shards"][5]["raw_data"]["bytes"] = 200  # it unpacks to more than index.json says: stopped at 201 bytes
+    (packed / "index.json").write_text(json.dumps(index))
+    os.unlink(packed / "shards.index.json")
+    with pytest.raises(DataError, match=r"shard.00005.mds.zstd: unpacks to 201 bytes or more, index.json says 200"):
+        ShardedDataset(str(packed), "mds")[200]
     os.unlink(packed / "shard.00004.mds.zstd")
     os.symlink(bad, packed / "shard.00004.mds.zstd")
     with pytest.raises(DataError, match=r"shard.00004.mds.zstd is a link"):

@@ -221,10 +221,14 @@ class MDSReader(ShardReader):
                 f"cache_bytes above the largest shard"
             )
         self.local.seek(0)
-        try:
-            data = _zstd().ZstdDecompressor().stream_reader(self.local).read(raw + 1)
+        out = bytearray()
+        try:  # at most one byte more than index.json says: a shard that unpacks to more stops there
+            with _zstd().ZstdDecompressor().stream_reader(self.local, closefd=False) as reader:
+                while len(out) <= raw and (chunk := reader.read(raw + 1 - len(out))):
+                    out += chunk
         except Exception as exc:
             raise self.damaged(f"not zstd data zstandard reads ({type(exc).__name__})") from None
+        data = bytes(out)
         if len(data) != raw:
             raise self.damaged(f"unpacks to {len(data)} bytes or more, index.json says {raw}")
         return data
