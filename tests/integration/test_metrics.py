@@ -46,6 +46,7 @@ def mlflow_server(tmp_path_factory):
          "--default-artifact-root", str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],
         cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # else it leaves a folder in /dev/shm
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     try:
