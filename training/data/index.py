@@ -282,12 +282,23 @@ def _one_byte_each(size: int) -> int:
 
 
 def hash_shard(storage: Storage, name: str) -> str:
-    """The fingerprint ``sha256:<hex>`` of a shard's bytes, read once."""
+    """The fingerprint ``sha256:<hex>`` of a shard's bytes, read once (a local shard counts as verified in this
+    process until its inode, size or times change)."""
     digest = hashlib.sha256()
     with storage.open_read(name) as f:
+        if storage.is_local:
+            key = _file_key(f)  # before reading: a change while it is read makes the next open hash it again
+            fingerprint = f"sha256:{_digest(f, digest)}"
+            _verified[key] = fingerprint
+            return fingerprint
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return f"sha256:{digest.hexdigest()}"
+
+
+def _file_key(f: IO[bytes]) -> tuple[int, ...]:
+    st = os.fstat(f.fileno())
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def check_local(shard: Shard, f: IO[bytes], where: str, index: str) -> None:
@@ -295,8 +306,7 @@ def check_local(shard: Shard, f: IO[bytes], where: str, index: str) -> None:
     index fingerprinted. Hashed once per process while the file's inode, size and times stay the same."""
     if shard.fingerprint is None:
         return
-    st = os.fstat(f.fileno())
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = _file_key(f)
     if _verified.get(key) == shard.fingerprint:
         return
     kind, _, expected = shard.fingerprint.partition(":")
