@@ -18,6 +18,13 @@ process's local files to the roots until the run ends, each reached from its roo
 moment it is opened (checkpointing/io/confine.py), so a folder replaced by a link mid-run, or a link inside an allowed
 weights folder, fails the run in one line. ``python -m flows.train`` and ``train()`` called from Python are the
 person's own choices and are not checked.
+
+Data is a location too. Every URL in ``recipe_args`` (``data_url``, ``val_url``, at any depth) must lie under a root
+when the run opens, and the product's readers check the URL they are given in every process of a confined run
+(``check_read_location``: ShardedDataset, before it lists, reads, caches or writes anything; the object-store roots
+travel with the local ones in checkpointing/io/confine.py, to the rank processes too). Storage options choose where
+requests go and whose credentials sign them: ``recipe_args`` may hold none (``data_options``, ``storage_options``),
+and the data is read with the worker's ``TRAIN_DATA_STORAGE_OPTIONS`` (JSON in its environment).
 """
 
 from __future__ import annotations
