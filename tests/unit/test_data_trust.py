@@ -320,3 +320,16 @@ def test_a_jsonl_count_above_what_its_bytes_hold_is_refused(tmp_path):
     (folder / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(DataError, match=r"a\.jsonl is 90 bytes, room for at most 45 samples, but the index .* 10000"):
         ShardedDataset(str(folder), "jsonl")
+
+
+@pytest.mark.slow
+def test_the_rank_processes_of_a_deployment_run_read_its_data_under_the_object_store_roots(
+    two_buckets, moto_log, make_config
+):
+    """The ranks inherit the roots in force, the object-store ones too (training/distributed/gang.py): with only the
+    local ones they refused the allowed bucket; with none they would read any."""
+    allowed, _ = two_buckets
+    moto_log.start()
+    config = gpt_config(make_config, "s3://team/runs/data", save_folder=str(allowed / "runs"), nproc_per_node=2)
+    assert deployment_run(config).samples_seen == 276
+    assert moto_log.to("other") == []
