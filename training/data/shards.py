@@ -24,7 +24,12 @@ Formats (``format``):
 - ``"mds"`` (MosaicML Streaming) and ``"webdataset"`` (tars): other tools' formats, read in training/data/formats/.
 
 Shards of a remote store are read whole into a local cache folder bounded by ``cache_bytes`` (least recently used
-shards leave first), and memory-mapped from there; a local folder is read in place.
+shards leave first), and memory-mapped from there; a local folder is read in place. Either way a shard's bytes are
+checked against the fingerprint its index recorded (training/data/index.py) before a sample is read from it.
+
+The store's options are ``storage_options``, else the worker's ``TRAIN_DATA_STORAGE_OPTIONS`` (JSON). In a deployment
+run (and the processes it starts) the URL must lie under the worker's ``TRAIN_ALLOWED_ROOTS`` and only the worker's
+options apply: both are checked before any I/O (training/config/trust.py).
 """
 
 from __future__ import annotations
