@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-slow test-system test-gpu lint format bench s3 clean
+.PHONY: install demo test test-fast test-slow test-system test-all-seeds test-gpu lint format bench s3 clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ demo: install
 #                     headless Chromium, every shell block of README.md and docs/, several hosts
 #   make test-gpu     tests/gpu alone, on a machine with a CUDA device (they skip without one): with the python3 there
 #                     (GPU_PY), no .venv and no `make install`; scripts/gpu_check.sh prepares a bare GPU machine and runs it
+#   make test-all-seeds  the seeded scenarios (marker `all_seeds`: a SIGKILL at a random moment, relaunch, bit-identical)
+#                     with every seed of their fixed sets; the other tiers run ONE seed per scenario, TEST_SEED or one
+#                     drawn per run and printed with the test (its id `[seed=N]`): `TEST_SEED=N` replays a failure.
+#                     Waits in the end-to-end tests scale with the load (TEST_TIME_SCALE sets it; tests/conftest.py)
 # tests/integration/test_ui.py (make test-ui) needs headless Chromium: it runs `apt-get install -y chromium` itself
 # when it is missing (root, ~60 s) or skips saying why.
 # JOBS pytest processes (pytest-xdist), each taking whole files (a module's Prefect stack is started once): most
@@ -51,6 +55,9 @@ test-slow: install
 
 test-system: install
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m system
+
+test-all-seeds: install
+	TEST_ALL_SEEDS=1 $(PY) -m pytest -q $(XDIST) --durations=15 -m all_seeds
 
 # The GPU tests with whatever Python has torch and the project's few dependencies (pip-installed or on PYTHONPATH):
 # no venv and no pytest plugin needed (addopts emptied: one added for the other tiers asks nothing of this machine).

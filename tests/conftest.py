@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -224,3 +227,75 @@ def backend(request, tmp_path):
     if request.param == "memory":
         return f"memory://{uuid.uuid4().hex}/runs", None
     return request.getfixturevalue("s3")
+
+
+# --- Seeds and deadlines of the end-to-end tests ----------------------------------------------------------------------
+# A seeded scenario ("SIGKILL at a random moment, relaunch, bit-identical") runs ONE seed per run: TEST_SEED, or one
+# drawn for the run (the same in every xdist worker, which must collect the same tests), shown in the test's id, its
+# output and its failure, so that `TEST_SEED=<n>` replays a failure. TEST_ALL_SEEDS=1 runs each scenario's whole fixed
+# set instead (`make test-all-seeds`); `-m all_seeds` selects the seeded tests.
+def _run_seed() -> int:
+    given = os.environ.get("TEST_SEED", "")
+    if given:
+        if not given.isdigit():
+            raise pytest.UsageError(f"TEST_SEED={given!r} is not a seed: give a whole number, e.g. TEST_SEED=1")
+        return int(given)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one id per run, shared by its workers
+    if run:
+        return int(hashlib.sha256(run.encode()).hexdigest(), 16) % 1_000_000
+    return random.SystemRandom().randrange(1_000_000)
+
+
+RUN_SEED = _run_seed()
+ALL_SEEDS = os.environ.get("TEST_ALL_SEEDS", "") == "1"
+
+
+def seeds(*fixed: int) -> list:
+    """``@pytest.mark.parametrize("seed", seeds(1, 2, 3))``: this run's one seed, or every seed of ``fixed`` with
+    TEST_ALL_SEEDS=1; each marked ``all_seeds``."""
+    chosen = fixed if ALL_SEEDS else (RUN_SEED,)
+    return [pytest.param(s, id=f"seed={s}", marks=pytest.mark.all_seeds) for s in chosen]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A seeded test's report carries its seed and how to replay it (shown with its failure)."""
+    outcome = yield
+    seed = getattr(item, "callspec", None) and item.callspec.params.get("seed")
+    if seed is not None and item.get_closest_marker("all_seeds"):
+        report = outcome.get_result()
+        report.sections.append(("seed", f"seed {seed}: replay with TEST_SEED={seed} pytest '{item.nodeid}'"))
+
+
+@pytest.fixture(autouse=True)
+def _print_the_seed(request):
+    seed = getattr(request.node, "callspec", None) and request.node.callspec.params.get("seed")
+    if seed is not None and request.node.get_closest_marker("all_seeds"):
+        print(f"seed {seed} (replay: TEST_SEED={seed})")
+
+
+def time_scale() -> float:
+    """How much longer than on a quiet machine a wait may take: TEST_TIME_SCALE, or the load per core now (1 to 4)."""
+    given = os.environ.get("TEST_TIME_SCALE", "")
+    if given:
+        return float(given)
+    return min(4.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def deadline(seconds: float) -> float:
+    """``time.monotonic()`` at which a wait of ``seconds`` (on a quiet machine) gives up, scaled by the load."""
+    return time.monotonic() + seconds * time_scale()
+
+
+def wait_until(predicate, seconds: float, what: str, proc: subprocess.Popen | None = None, every: float = 0.0005):
+    """Polls ``predicate`` until it returns something true (returned), for ``seconds`` scaled by the load; fails
+    naming ``what`` if it never does, or if ``proc`` ended first; polls every ``every`` seconds."""
+    scaled = seconds * time_scale()
+    end = time.monotonic() + scaled
+    while time.monotonic() < end:
+        found = predicate()
+        if found:
+            return found
+        assert proc is None or proc.poll() is None, f"the process ended before {what}"
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {scaled:.0f} s ({seconds} s x load; TEST_TIME_SCALE sets it)")

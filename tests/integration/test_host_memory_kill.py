@@ -21,7 +21,7 @@ import torch
 
 from checkpointing import CheckpointStore
 from checkpointing.export import model_weights
-from tests.conftest import HOST_TIER_DIR, ROOT
+from tests.conftest import HOST_TIER_DIR, ROOT, seeds, wait_until
 
 pytestmark = pytest.mark.slow
 # ~19 MB of state; 8 steps an epoch, 48 steps in all, units of one epoch, a snapshot every step.
@@ -60,11 +60,10 @@ def kill_at_random(cmd: list[str], log: Path, seed: int) -> int:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=environment(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    deadline = time.monotonic() + 300
-    while not any(int(s) >= 6 for s in STEP.findall(log.read_text())):
-        assert proc.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, "step 6 not reached"
-        time.sleep(0.005)
+    try:
+        wait_until(lambda: any(int(s) >= 6 for s in STEP.findall(log.read_text())), 300, "step 6", proc, every=0.005)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{log.read_text()[-4000:]}") from None
     time.sleep(random.Random(seed).uniform(0.0, 1.5))  # the run has ~40 steps left: the kill lands mid-run
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
@@ -108,7 +107,7 @@ def kill_and_relaunch(tmp_path: Path, folder: str, seed: int, *extra: str) -> tu
     return finished, started.group(1), int(started.group(2))
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", seeds(1, 2, 3, 4))
 def test_a_hard_kill_loses_at_most_one_step_and_the_relaunch_ends_bit_identical(tmp_path, reference, seed):
     folder = str(tmp_path / "runs")
     finished, origin, step = kill_and_relaunch(tmp_path, folder, seed)
@@ -119,8 +118,16 @@ def test_a_hard_kill_loses_at_most_one_step_and_the_relaunch_ends_bit_identical(
 
 @pytest.mark.parametrize(
     "flags, seed",
-    [(("--nproc_per_node", "2"), 5), (("--nproc_per_node", "2", "--parallelism", "fsdp"), 7)],
-    ids=["ddp", "fsdp"],
+    [
+        pytest.param(("--nproc_per_node", "2"), seed.values[0], id=f"ddp-{seed.id}", marks=seed.marks)
+        for seed in seeds(5)
+    ]
+    + [
+        pytest.param(
+            ("--nproc_per_node", "2", "--parallelism", "fsdp"), seed.values[0], id=f"fsdp-{seed.id}", marks=seed.marks
+        )
+        for seed in seeds(7)
+    ],
 )
 def test_a_hard_kill_of_every_rank_loses_at_most_one_step_and_ends_bit_identical(tmp_path, flags, seed):
     """DDP: rank 0's snapshots, every rank's RNG in them; FSDP: every rank resumes its own shards from memory."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from tests.conftest import ROOT
+from tests.conftest import ROOT, seeds, wait_until
 
 pytestmark = pytest.mark.slow
 # ~19 MB of state per checkpoint, so that writing one takes long enough to be killed in the middle.
@@ -71,15 +71,9 @@ def pointer_step(folder: Path) -> int:
     return int(name.split("-ba")[1].split("-")[0])
 
 
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        assert proc.poll() is None, "the run ended before the kill point"
-        time.sleep(0.0005)
-    raise AssertionError("kill point not reached")
+def wait_for(predicate, proc: subprocess.Popen, seconds: float = 120):
+    """The kill point: waits (scaled by the machine's load) until ``predicate`` finds it while ``proc`` runs."""
+    return wait_until(predicate, seconds, "the kill point", proc)
 
 
 def torn_checkpoint(folder: Path):
@@ -121,7 +115,7 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one_bit_identi
     assert_equal_state(final_state(folder), reference)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", seeds(1, 2, 3))
 def test_kill_at_a_random_moment_then_relaunch_ends_bit_identical(tmp_path, prefect_env, reference, seed):
     folder = tmp_path / "runs"
     proc = launch(folder, prefect_env, "killed")

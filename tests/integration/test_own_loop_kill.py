@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, seeds
 from tests.integration.test_kill_resume import assert_equal_state, final_state, pointer_step, wait_for
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def reference(tmp_path_factory, prefect_env):
     return final_state(folder)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", seeds(1, 2))
 def test_sigkill_mid_loop_then_relaunch_resumes_from_the_last_report_bit_identically(
     tmp_path, prefect_env, reference, seed
 ):

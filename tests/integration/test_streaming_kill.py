@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SHARD_RECORDING
+from tests.conftest import ROOT, SHARD_RECORDING, deadline, seeds
 from tests.shard_data import BLOCK, SAMPLES, write_token_shards
 from tests.unit.test_sharded_data import consumed, keep_records
 
@@ -46,8 +46,8 @@ def launch(cmd: list[str], log: Path, kill_after: int | None, record: Path) -> N
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + 300
-        while kill_after is not None and proc.poll() is None and time.monotonic() < deadline:
+        end = deadline(300)
+        while kill_after is not None and proc.poll() is None and time.monotonic() < end:
             if lines(record) >= kill_after:
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
@@ -57,7 +57,7 @@ def launch(cmd: list[str], log: Path, kill_after: int | None, record: Path) -> N
         assert code == 0, log.read_text()[-4000:]
 
 
-@pytest.mark.parametrize("seed", [1])
+@pytest.mark.parametrize("seed", seeds(1))
 def test_kills_with_world_and_batch_size_changes_feed_every_sample_once_per_epoch(tmp_path, s3, seed):
     folder, options = s3
     url = f"{folder.rsplit('/', 1)[0]}/tokens"
