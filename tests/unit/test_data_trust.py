@@ -333,3 +333,20 @@ def test_the_rank_processes_of_a_deployment_run_read_its_data_under_the_object_s
     config = gpt_config(make_config, "s3://team/runs/data", save_folder=str(allowed / "runs"), nproc_per_node=2)
     assert deployment_run(config).samples_seen == 276
     assert moto_log.to("other") == []
+
+
+def test_a_bucket_copied_to_a_local_folder_with_its_index_is_checked_against_the_etags(s3, tmp_path):
+    import s3fs
+
+    folder, options = s3
+    url = f"{folder.rsplit('/', 1)[0]}/tokens"
+    write_token_shards(url, options)
+    ShardedDataset(url, "tokens", block_size=BLOCK, storage_options=options, cache_dir=str(tmp_path / "cache"))
+    local = tmp_path / "copy"
+    s3fs.S3FileSystem(**options, skip_instance_cache=True).get(f"{url[5:]}/", f"{local}/", recursive=True)
+    assert ShardedDataset(str(local), "tokens", block_size=BLOCK)[40][0][0] == 40  # a plain ETag is the bytes' MD5
+    shard = local / "shard-001.bin"
+    shard.write_bytes(rewrite_same_size(shard.read_bytes()))
+    with pytest.raises(DataError) as info:
+        ShardedDataset(str(local), "tokens", block_size=BLOCK)[40]
+    assert one_line(info.value).startswith(f"{shard}: its MD5 is ")
