@@ -103,6 +103,9 @@ def allocation_lock(user_fd: int) -> Iterator[None]:
 def check_room(user_fd: int, size: int, shown: str) -> None:
     """TierFull when ``size`` more bytes would take this user's snapshots past the cap (the caller holds the lock)."""
     global skipped_over_cap
+    st = os.fstatvfs(user_fd)
+    if size > st.f_bavail * st.f_frsize:  # the file system itself cannot hold it: that, not the cap, is the reason
+        raise TierUnavailable(f"{shown}: {size / 1e6:.0f} MB cannot be reserved (not enough shared memory)")
     cap, used = cap_bytes(user_fd), used_bytes(user_fd)
     if used + size > cap:
         skipped_over_cap += 1

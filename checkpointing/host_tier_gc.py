@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -198,7 +199,7 @@ def _read_small(fd: int, entry: str) -> bytes:
     file_fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
     with os.fdopen(file_fd, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
-        if st.st_uid != os.getuid() or st.st_size > MAX_RECORD_BYTES or not (st.st_mode & 0o170000 == 0o100000):
+        if st.st_uid != os.getuid() or st.st_size > MAX_RECORD_BYTES or not stat.S_ISREG(st.st_mode):
             raise ValueError("not a record file of this user's")
         return f.read(MAX_RECORD_BYTES)
 

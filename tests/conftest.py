@@ -103,8 +103,8 @@ def _no_snapshots_left_in_shared_memory(tmp_path_factory):
         shutil.rmtree(folder, ignore_errors=True)
     if left:
         pytest.fail(
-            f"runs of this session left snapshots in /dev/shm (removed now): {left}; a child process was "
-            f"started without TRAIN_HOST_TIER_DIR"
+            f"runs of this session left snapshots in /dev/shm (removed now): {left}; a process ran without "
+            f"TRAIN_HOST_TIER_DIR, or a test opened the tier on /dev/shm itself and did not remove it"
         )
 
 

@@ -162,3 +162,19 @@ def test_opening_a_pipeline_sweeps_what_no_relaunch_would_resume_from_but_never_
     assert os.listdir(held.path)  # the live run's snapshots are whole
     for tier in (opener, held, HostTier(stores["killed"])):
         tier.remove()
+
+
+def test_gc_never_follows_a_link_nor_takes_a_folder_others_may_enter(tmp_path):
+    tier = HostTier("file:///runs/a", root=str(tmp_path / "tier"))
+    user = os.path.dirname(tier.path)
+    tier.remove()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "r0-s0.data").write_bytes(b"someone's")
+    os.symlink(elsewhere, os.path.join(user, "a" * 32))  # a run key's shape, planted as a link
+    open_to_all = os.path.join(user, "b" * 32)
+    os.mkdir(open_to_all, 0o700)
+    os.chmod(open_to_all, 0o777)
+    assert sweep(str(tmp_path / "tier"), lambda f: True) == []
+    assert (elsewhere / "r0-s0.data").read_bytes() == b"someone's"
+    assert os.path.islink(os.path.join(user, "a" * 32)) and os.path.isdir(open_to_all)
