@@ -99,10 +99,12 @@ def check_recipe_args(args: Any, roots: list[str]) -> None:
     """A run's ``recipe_args`` choose no storage options (``data_options``, ``storage_options``: they decide where
     requests go and whose credentials sign them), and every URL in them (``s3://...``, ``file://...``: whatever a
     recipe may hand a product reader, at any depth) lies under a root."""
-    for name, value in _leaves(args, "recipe_args", 0):
+    leaves = list(_leaves(args, "recipe_args", 0))
+    for name, value in leaves:  # first: the same line whatever order the parameter's keys arrive in
         if name.rsplit(".", 1)[-1].lower().replace("-", "_") in STORAGE_OPTION_KEYS:
             refuse_storage_options(value, name)
-        elif isinstance(value, str) and _URL.match(value):
+    for name, value in leaves:
+        if isinstance(value, str) and _URL.match(value):
             _check_within(value, name, roots, allowed_roots())
 
 
