@@ -353,3 +353,39 @@ def test_links_in_or_swapped_into_allowed_folders_fail_a_deployment_run_in_one_l
         assert sorted(checkpoints(tmp_path / "swapped-moved", "swapped")) == ["ep1-ba8-sa256"]
     finally:
         shutil.rmtree(outside)
+
+
+def test_a_deployment_runs_data_lies_under_the_roots_and_its_endpoint_is_the_workers(prefect_stack, tmp_path):
+    """Issue 43 on a real worker: a run naming another bucket as its data, or its own endpoint in data_options, fails
+    in one line, and an endpoint recording every request hears nothing. The flow-run process holds AWS credentials
+    (as a worker does) and AWS_ENDPOINT_URL names the recorder: before the fix the first run listed s3://other/tokens
+    there, and the second sent the worker's signed requests to the run's own endpoint."""
+    from tests.integration.test_parameter_keys import WORKER_AWS, Listener
+
+    listener = Listener()
+    try:
+        model = {"vocab_size": 512, "block_size": 8, "n_layer": 1, "n_head": 1, "n_embd": 8}
+        base = {"recipe": "gpt", "global_batch_size": 32, "max_duration": "1ep", "save_folder": str(tmp_path / "runs")}
+        configs = {
+            "outside": {**base, "run_name": "outside", "recipe_args": {**model, "data_url": "s3://other/tokens"}},
+            "endpoint": {**base, "run_name": "endpoint", "recipe_args": {
+                **model, "data_url": "s3://team/tokens", "data_options": {"endpoint_url": listener.url}}},
+        }  # fmt: skip
+        env = {**WORKER_AWS, "AWS_ENDPOINT_URL": listener.url}
+        with client(prefect_stack) as c:
+            deployment = c.read_deployment_by_name("train/default")
+            runs = {
+                name: c.create_flow_run_from_deployment(
+                    deployment.id, parameters={"config": config}, job_variables={"env": env}
+                ).id
+                for name, config in configs.items()
+            }
+        ended = {name: wait_for_state(prefect_stack, run_id, StateType.FAILED) for name, run_id in runs.items()}
+        outside = "recipe_args.data_url='s3://other/tokens' is outside the locations this worker allows"
+        assert outside in ended["outside"].state.message
+        options = "recipe_args.data_options.endpoint_url: a deployment run's parameters cannot choose storage options"
+        assert options in ended["endpoint"].state.message
+        assert listener.seen == [], f"a flow-run process contacted the endpoint: {listener.seen[:5]}"
+        assert not (tmp_path / "runs").exists()  # refused before anything was claimed
+    finally:
+        listener.close()
