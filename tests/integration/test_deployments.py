@@ -7,7 +7,8 @@ run that keeps dying stops at max_restarts as Failed; scheduled retraining warm-
 model and promotes only models that are not worse, gives two ticks in one minute runs of their own, and
 resumes a killed tick under its own name; a whole dead machine (worker and run, nobody left to report)
 is noticed by its missing heartbeats and restarted on another worker; and a link planted in, or swapped into,
-the worker's allowed roots fails a run in one line with nothing read or written outside. One server and worker
+the worker's allowed roots fails a run in one line with nothing read or written outside, as does data outside them
+or a data endpoint of the run's own. One server and worker
 serve the module (tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
 """
 
