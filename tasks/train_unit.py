@@ -23,6 +23,7 @@ from prefect.tasks import exponential_backoff
 from tasks import stopped_log
 from tasks.nodes import node_launcher
 from training.config import TrainConfig
+from training.distributed.deaths import RankDied
 from training.exceptions import Permanent
 from training.preemption import Preempted
 from training.run import execute_unit
@@ -76,8 +77,10 @@ def train_unit(
         return stopped(stop)
     except Exception as exc:
         _failures[task_run.id] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        _note_repeated_death(exc, task_run.id, task_run.run_count)
         raise
     result.previous_failure = _failures.pop(task_run.id, "") if result.attempt > 1 else ""
+    _deaths.pop(task_run.id, None)
     return result
 
 
@@ -94,6 +97,28 @@ def unit_outcome(result: T | State) -> T:
         raise RuntimeError(f"a task ended {result.name!r} without its stop")  # a broken invariant, not user input
     return result
 
+
+def _note_repeated_death(exc: Exception, task_run_id: Any, attempt: int) -> None:
+    """One line when a rank dies the same way at the same step as in this task run's previous attempt: a
+    deterministic crash, which ends the run Failed once its retries are spent (Failed is never restarted)."""
+    if not isinstance(exc, RankDied):
+        _deaths.pop(task_run_id, None)
+        return
+    before = _deaths.get(task_run_id)
+    _deaths[task_run_id] = exc.signature
+    if before == exc.signature:
+        rank, code, step = exc.signature
+        get_run_logger().error(
+            "the same crash again in attempt %d: rank %s died (exit %s) after step %s, as in the attempt before "
+            "(a deterministic crash: the run ends Failed when its retries are spent)",
+            attempt,
+            rank,
+            code,
+            step,
+        )
+
+
+_deaths: dict[Any, tuple] = {}  # each task run's last rank death: (rank, exit, step)
 
 # Why a task run's last attempt failed, for its retry's report. Prefect retries a task in the same process;
 # its own record of the failed state reaches the API asynchronously (events), too late to read here.

@@ -25,6 +25,7 @@ from tasks/nodes.py — each with an offer signed for it (training/distributed/n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
@@ -46,6 +48,7 @@ from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.config.machines import node_secret
 from training.distributed import nodes
+from training.distributed.deaths import MAX_LINES, verdict
 from training.distributed.errors import error_from_record
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.distributed.processes import kill_group
@@ -86,8 +89,12 @@ class Gang:
         self._conn: socket.socket | None = None
         self._buffer = b""
         self._stop_sent = False
+        self._killed = False  # torchrun was SIGKILLed by this process (its ranks' silence is then no evidence)
         self.proc = self._launch()
-        self._relay = threading.Thread(target=relay_output, args=(self.proc, logger), name="gang-output", daemon=True)
+        self._lines: deque[str] = deque(maxlen=MAX_LINES)  # torchrun's last lines: its failure record
+        self._relay = threading.Thread(
+            target=relay_output, args=(self.proc, logger, self._lines), name="gang-output", daemon=True
+        )
         self._relay.start()
         self._accept()
 
@@ -177,8 +184,11 @@ class Gang:
             elif "result" in message:
                 return UnitResult.model_validate(message["result"])
             elif "error" in message:
+                error = error_from_record(message["error"])
+                if isinstance(error, preemption.Preempted) and preemption.STOP.current is None:
+                    raise self._failure("a rank stopped without a stop request of this process")  # a peer died?
                 self.close()
-                raise error_from_record(message["error"])
+                raise error
 
     def _next_message(self) -> dict[str, Any]:
         assert self._conn is not None
@@ -232,29 +242,31 @@ class Gang:
 
     # -- end ------------------------------------------------------------------------------------------
     def _failure(self, what: str) -> BaseException:
-        """The error a rank recorded before it died (typed), else DistributedUnitError."""
-        records = sorted(Path(self._folder.name).glob("error-rank*.json"), key=lambda p: p.stat().st_mtime)
-        for path in records:
-            try:
-                return error_from_record(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-        code = self.proc.poll()
-        return DistributedUnitError(
-            f"{what} (torchrun exit code {code}); all its processes were stopped (a retry resumes from the last "
-            f"checkpoint)"
-        )
+        """How the gang ended, decided here from evidence once torchrun is gone (training/distributed/deaths.py):
+        a rank that died (``RankDied``), the error a rank recorded (typed), a preemption only if this process was
+        asked to stop first, else DistributedUnitError."""
+        stopped_here = preemption.STOP.current is not None  # before closing: what this process was asked first
+        self.close()
+        exited = not self._killed
+        self._relay.join(timeout=10)  # torchrun's failure record is its last output
+        error = verdict(
+            Path(self._folder.name), list(self._lines), self.config.nproc_per_node, exited, stopped_here, what,
+            self.proc.returncode,
+        )  # fmt: skip
+        if not isinstance(error, preemption.Preempted):
+            logger.error("%s", str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return error
 
     def close(self) -> None:
         """Asks the ranks to leave, then makes sure nothing of the gang is left running."""
         conn, self._conn = self._conn, None  # taken once: a second thread closing the gang finds it gone
         if conn is not None:
-            try:
+            with contextlib.suppress(OSError):  # rank 0 may be gone: torchrun is then stopping the others
                 conn.sendall(json.dumps({"op": Op.EXIT}).encode() + b"\n")
+            with contextlib.suppress(subprocess.TimeoutExpired):  # and prints its failure record as it exits
                 self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
             conn.close()
+        self._killed = self._killed or self.proc.poll() is None
         kill_group(self.proc.pid)  # ranks torchrun could not stop, or any left after a failure
         self.proc.wait()
         self._listener.close()

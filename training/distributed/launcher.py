@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +146,11 @@ def _search_folder(module: str, file: str | None) -> str | None:
     return str(path)
 
 
-def relay_output(proc: subprocess.Popen, log: logging.Logger) -> None:
-    """Passes torchrun's lines (its ranks' included) to ``log`` until it closes its output."""
+def relay_output(proc: subprocess.Popen, log: logging.Logger, keep: deque[str] | None = None) -> None:
+    """Passes torchrun's lines (its ranks' included) to ``log`` until it closes its output; the last ones also to
+    ``keep`` (its failure record: training/distributed/deaths.py)."""
     assert proc.stdout is not None
     for line in proc.stdout:
         log.info("%s", line.rstrip())
+        if keep is not None:
+            keep.append(line.rstrip())

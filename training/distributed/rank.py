@@ -7,7 +7,9 @@ warm session kept between units) or the same loop of the user's own (``training.
 back the result, and a loop's reports as they happen.
 
 Any error ends this rank: it writes what it raised to the gang's folder (``error-rank<r>.json``, typed: see
-training/distributed/errors.py) and exits non-zero; torchrun then stops the others. A stop request reaches a rank as a
+training/distributed/errors.py) and exits non-zero; torchrun then stops the others. A rank stopped by a signal
+reports ``Preempted`` and nothing more: the signal may be torchrun's cleanup after a peer died, and only the launcher
+can tell (training/distributed/deaths.py). A stop request reaches a rank as a
 termination signal of its own or, forwarded by the parent, through rank 0's connection; the ranks agree on it at
 the next step boundary (training/preemption.py). A rank dies with torchrun, which dies with the unit's process.
 """
@@ -129,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         if channel is not None:
             with contextlib.suppress(OSError):
                 channel.send({"error": record})
-        logger.error("rank %d: %s: %s", world.rank, type(exc).__name__, exc)
+        if isinstance(exc, preemption.Preempted):  # this rank's view only: the launcher decides (deaths.py)
+            logger.warning("rank %d stopped (%s); the launcher decides whether a peer died or the run was preempted",
+                           world.rank, exc)  # fmt: skip
+        else:
+            logger.error("rank %d: %s: %s", world.rank, type(exc).__name__, exc)
         os._exit(1)  # no teardown that could wait on a peer that is gone
     # Past the barrier every rank is done and owes its peers nothing. Tearing gloo down (destroy_process_group, then
     # the interpreter's own teardown) after a peer has already closed its connections aborts the rank in about 1

@@ -59,7 +59,10 @@ class RankMeetings:
             raise ReportError(meeting.failed)
         stop = preemption.STOP.current
         if meeting.stopped and stop is not None:
-            note = f"{_ranks(meeting.missing)} never reached {point}; nothing new was committed"
+            note = (
+                f"{_ranks(meeting.missing)} never reached {point}; nothing new was committed (if the missing rank died, "
+                f"this stop is torchrun's cleanup of its crash: the launcher decides)"
+            )
             ranks.fail(key, f"rank {self.world.rank} stopped ({stop.reason}) while waiting at {point}")
             raise Preempted(stop, checkpoint, step, None, note)
         message = self._disagreement(meeting, timeout)
