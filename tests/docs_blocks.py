@@ -7,6 +7,9 @@ before the fence, invisible on GitHub:
     <!-- doc-test: skip (why it cannot run unattended) -->
     <!-- doc-test: background (waits for "text it prints once it is ready") -->
     <!-- doc-test: exits 2 -->
+    <!-- doc-test: covered (tests/integration/test_x.py::test_name) -->   run by that test already: the doc test
+                                                                          does not run it again (issue 47); the
+                                                                          named test must exist (a problem if not)
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
 MARKER = re.compile(r"^<!--\s*doc-test:\s*(?P<body>.*?)\s*-->$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 EXPECT = re.compile(r"^\s*# -> (?P<text>.+?)\s*$")
+COVERED = re.compile(r"^covered \((?P<file>tests/[\w/]+\.py)::(?P<test>test_\w+)\)$")
 # The one command convention of the pages: the project's interpreter by its path, `.venv/bin/python -m ...` and
 # `.venv/bin/pip install ...`, which work without an activated venv (a bare `python -m flows.train` there fails
 # with "No module named 'fsspec'", or runs another Python). A bare python/pip is a word of its own, not a path's end.
@@ -83,6 +87,17 @@ class Block:
         return found
 
 
+def covered_problem(where: str, marker: str) -> str | None:
+    """A ``covered (file::test)`` marker whose test does not exist (so the block would be run by nothing)."""
+    m = COVERED.match(marker)
+    if not m:
+        return f"{where}: a covered marker names no test: write covered (tests/....py::test_name)"
+    source = ROOT / m["file"]
+    if not source.is_file() or not re.search(rf"^def {m['test']}\(", source.read_text(), re.MULTILINE):
+        return f"{where}: {m['file']}::{m['test']} does not exist, yet the marker says it runs this block"
+    return None
+
+
 def blocks(path: Path) -> tuple[list[Block], list[str]]:
     """The fenced blocks of ``path``, and the problems found on the way (a marker that no fence follows, an
     unclosed fence)."""
@@ -106,6 +121,12 @@ def blocks(path: Path) -> tuple[list[Block], list[str]]:
                 break
             body = "\n".join(lines[i + 1 : end]) + "\n"
             found.append(Block(path, i + 1, fence["lang"], body, pending[1] if pending else None))
+            if (
+                pending
+                and pending[1].startswith("covered")
+                and (bad := covered_problem(f"{path.name}:{i + 1}", pending[1]))
+            ):
+                problems.append(bad)
             pending = None
             i = end
         elif line.strip() and pending:

@@ -13,6 +13,8 @@ A block that cannot run unattended says so right before its fence (tests/docs_bl
                                                            awaited until it prints ``text``, stopped with Ctrl-C's
                                                            SIGINT when the page is done; no process may survive it
     <!-- doc-test: exits 2 -->                             a command that is meant to fail, with that status
+    <!-- doc-test: covered (tests/....py::test_name) -->   run by that test already (its name is checked): not run
+                                                           again here, where each block costs a training (issue 47)
 
 A block with no marker runs: a new block cannot rot unnoticed, and skipping one takes a written reason. Every shell
 block, run or skipped, calls the project's interpreter by its path (``.venv/bin/python -m ...``, ``.venv/bin/pip``):
@@ -81,7 +83,7 @@ def test_every_shell_block_of_the_page_runs_as_written(page: Path, tmp_path: Pat
     try:
         for block in (b for b in found if b.is_shell):
             kind = (block.marker or "run").split(" ", 1)[0]
-            if kind == "skip":
+            if kind in ("skip", "covered"):
                 continue
             if kind == "background":
                 terminal.start_background(block)

@@ -16,7 +16,7 @@ README_MAX_LINES = 260
 
 LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 CODE_SPAN = re.compile(r"`[^`]*`")
-MARKER_KINDS = re.compile(r"^(skip \(.+\)|background \(waits for \".+\"\)|exits \d+)$")
+MARKER_KINDS = re.compile(r"^(skip \(.+\)|background \(waits for \".+\"\)|exits \d+|covered \(tests/.+::test_\w+\))$")
 
 
 def _prose(path: Path) -> str:
