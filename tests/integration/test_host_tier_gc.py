@@ -138,25 +138,25 @@ def test_abandoned_runs_stay_under_the_cap_and_gc_removes_them_but_never_a_live_
 def test_a_bit_set_in_the_newest_tier_record_is_not_used_and_the_relaunch_ends_exact(tmp_path):
     tier = tmp_path / "tier"
     reference = tmp_path / "reference"
-    done = lifecycle(["--run_name", "k", *flags(reference, "6ep")], tier, tmp_path / "reference.log")
+    done = lifecycle(["--run_name", "k", *flags(reference, "384sp")], tier, tmp_path / "reference.log")
     assert done.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-3000:]
 
-    killed = lifecycle(["--run_name", "k", *flags(tmp_path / "runs", "6ep")], tier, tmp_path / "killed.log")
+    killed = lifecycle(["--run_name", "k", *flags(tmp_path / "runs", "384sp")], tier, tmp_path / "killed.log")
     wait_for_step(tmp_path / "killed.log", 6, killed)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait(timeout=30)
     records = [(json.loads(p.read_text()), p) for p in user_folder(tier).glob("*/r0-s*.json")]
     newest, path = max(records, key=lambda r: r[0]["seq"])
     seen = newest["progress"]["samples_seen"]
-    flipped = seen | 1 << max(seen.bit_length(), 10)  # one bit set, still valid JSON: 2048 -> 3072 in the issue
+    flipped = seen | 1 << seen.bit_length()  # one bit set, still valid JSON (2048 -> 3072 in the issue): samples skipped
     path.write_text(path.read_text().replace(f'"samples_seen": {seen}', f'"samples_seen": {flipped}'))
 
-    relaunched = lifecycle(["--run_name", "k", *flags(tmp_path / "runs", "6ep")], tier, tmp_path / "relaunch.log")
+    relaunched = lifecycle(["--run_name", "k", *flags(tmp_path / "runs", "384sp")], tier, tmp_path / "relaunch.log")
     assert relaunched.wait(timeout=300) == 0, (tmp_path / "relaunch.log").read_text()[-3000:]
     text = (tmp_path / "relaunch.log").read_text()
+    a, b = model_weights(f"{tmp_path}/runs/k", None)[0], model_weights(f"{reference}/k", None)[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert f"host-memory tier: slot {path.name[4]} of rank 0 is damaged" in text
     started = STARTED.search(text)
     assert started and newest["name"] not in started.group(1), text[-3000:]
-    a, b = model_weights(f"{tmp_path}/runs/k", None)[0], model_weights(f"{reference}/k", None)[0]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert list(user_folder(tier).iterdir()) == []  # the run completed: its snapshots left the tier
