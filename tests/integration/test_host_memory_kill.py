@@ -1,7 +1,8 @@
 """A real process, really SIGKILLed at a random moment while it snapshots every step, relaunched with the same command
 on the same machine: it resumes from the newest verified snapshot of either tier (this machine's memory or the store),
 having lost at most the one step whose snapshot was not yet published, and ends with the weights of a run that was
-never killed. The same for DDP (2 processes, the whole process group killed), for FSDP (each rank's shards) and with
+never killed (its weights, and its optimizer's and scheduler's state: the assertions of test_kill_resume.py's
+random-moment kill, merged here in issue 47). The same for DDP (2 processes, the whole process group killed), for FSDP (each rank's shards) and with
 S3 (moto) as the store."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from checkpointing import CheckpointStore
 from checkpointing.export import model_weights
 from tests.conftest import HOST_TIER_DIR, ROOT, seeds, wait_until
+from tests.integration.test_kill_resume import assert_equal_state, final_state
 
 pytestmark = pytest.mark.slow
 # ~19 MB of state; 8 steps an epoch, 48 steps in all, units of one epoch, a snapshot every step.
@@ -92,10 +94,15 @@ def tier_left(folder: str, storage_options: dict | None = None) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_folder(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("reference") / "runs")
     run_to_completion(command(folder), Path(folder).parent / "reference.log")
-    return weights(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(reference_folder):
+    return weights(reference_folder)
 
 
 def kill_and_relaunch(tmp_path: Path, folder: str, seed: int, *extra: str) -> tuple[int, str, int]:
@@ -108,11 +115,15 @@ def kill_and_relaunch(tmp_path: Path, folder: str, seed: int, *extra: str) -> tu
 
 
 @pytest.mark.parametrize("seed", seeds(1, 2, 3, 4))
-def test_a_hard_kill_loses_at_most_one_step_and_the_relaunch_ends_bit_identical(tmp_path, reference, seed):
+def test_a_hard_kill_loses_at_most_one_step_and_the_relaunch_ends_bit_identical(
+    tmp_path, reference, reference_folder, seed
+):
     folder = str(tmp_path / "runs")
     finished, origin, step = kill_and_relaunch(tmp_path, folder, seed)
+    assert finished < 48, "killed too late to test anything"
     assert finished - 1 <= step <= finished, (finished, origin, step)
     assert_same(weights(folder), reference)
+    assert_equal_state(final_state(Path(folder)), final_state(Path(reference_folder)))  # optimizer, scheduler too
     assert tier_left(folder) == []
 
 

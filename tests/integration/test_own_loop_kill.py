@@ -1,5 +1,6 @@
 """A loop of the user's own in a real process, really SIGKILLed mid-run and relaunched with the same command: it
-resumes from the last report and ends with the weights of an uninterrupted run."""
+resumes from the last report and ends with the weights of an uninterrupted run. Launched through the Prefect-free
+lifecycle (``tests.run_lifecycle``): Prefect is not what is tested (test_own_loop_flow.py runs the loop in the flow)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ RECIPE_ARGS = {"num_samples": 256, "hidden": 1536, "num_layers": 3, "report_ever
 
 def command(folder: Path) -> list[str]:
     return [
-        sys.executable, "-m", "flows.train", "--run_name", "k", "--save_folder", str(folder),
+        sys.executable, "-m", "tests.run_lifecycle", "--run_name", "k", "--save_folder", str(folder),
         "--recipe", "recipes.custom_loop:CustomLoopRecipe", "--recipe_args", json.dumps(RECIPE_ARGS),
         "--max_duration", "16ba", "--global_batch_size", "32", "--seed", "7", "--unit_retries", "0",
     ]  # fmt: skip
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def run(folder: Path, env: dict, log_name: str) -> subprocess.Popen:
@@ -44,18 +49,16 @@ def run_to_completion(folder: Path, env: dict, log_name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, prefect_env):
+def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reference") / "runs"
-    run_to_completion(folder, prefect_env, "reference")
+    run_to_completion(folder, environment(), "reference")
     return final_state(folder)
 
 
 @pytest.mark.parametrize("seed", seeds(1, 2))
-def test_sigkill_mid_loop_then_relaunch_resumes_from_the_last_report_bit_identically(
-    tmp_path, prefect_env, reference, seed
-):
+def test_sigkill_mid_loop_then_relaunch_resumes_from_the_last_report_bit_identically(tmp_path, reference, seed):
     folder = tmp_path / "runs"
-    proc = run(folder, prefect_env, "killed")
+    proc = run(folder, environment(), "killed")
     wait_for(lambda: pointer_step(folder) >= 4, proc)
     time.sleep(random.Random(seed).uniform(0.0, 0.3))
     os.kill(proc.pid, signal.SIGKILL)
@@ -63,7 +66,7 @@ def test_sigkill_mid_loop_then_relaunch_resumes_from_the_last_report_bit_identic
     killed_at = pointer_step(folder)
     assert 4 <= killed_at < 16, "killed too late to test anything"
 
-    log = run_to_completion(folder, prefect_env, "relaunched")
+    log = run_to_completion(folder, environment(), "relaunched")
 
     # The relaunch resumed from the last report (or from one committed after it, if the kill fell between a
     # manifest and the move of latest), not from the start.
