@@ -1,28 +1,19 @@
-"""The two automations that bring a training run back after its machine died (DESIGN.md section 6).
+"""The one automation the training deployments install, and why there is no restart automation (DESIGN.md section 6).
 
-Prefect retries a flow run only when it ends Failed; a run whose process or machine died ends Crashed,
-or, when nothing is left to report it, stays Running forever. So the deployment ships:
+``training: heartbeat lost -> crashed``: a *deployment* run of the training deployments that sent a heartbeat (every
+``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds) and then neither a heartbeat nor an end state for ``within`` seconds
+is marked Crashed (its machine died and nothing is left to report it). It is evidence only: Prefect refuses Crashed
+over an ended run (``force=False``; Completed, Failed and Cancelled are terminal), and a run that never sends
+heartbeats (a CLI ``python -m flows.sweep`` against a stack's server: not a deployment run) is never matched.
 
-1. ``training: heartbeat lost -> Crashed``: flow runs of the training flows send a heartbeat every
-   ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds; a run that sends neither a heartbeat nor an end state
-   for about three heartbeats is marked Crashed.
-2. ``training: crashed -> restart``: a Crashed run of a training deployment is moved back to Scheduled
-   (named ``AwaitingRestart``). A worker runs the same flow-run id again, with ``run_count`` + 1; its
-   units resume from the last checkpoint. The flow ends Failed past ``max_restarts`` (Failed is not
-   matched, so the loop stops).
+Nothing here restarts a run. The restart automations this module used to install (``training: crashed -> restart``
+and ``training: crash not restarted -> restart``) acted on events as they were: a Crashed event held ~15 minutes after
+a server restart, or re-read after a ``database is locked`` bucket insert, rescheduled a run that had Completed in
+the meantime, and the worker's late second Crashed report of one death opened a second restart window. The one
+restart authority is the reconciler (deployments/recovery.py), which reads the run's current state; installing
+removes those two automations where an older install left them.
 
-One death can be reported Crashed twice: the runner reports the process's exit, and the worker reports it
-again up to ~20 s later, by which time the restarted attempt is already running. Rescheduling on both started a
-second attempt beside the first (which then hit FencedError and set the run Failed). So the restart fires once
-per run within ``RESTART_DEBOUNCE_SECONDS`` (Prefect's reactive triggers wait out their window after firing);
-a late report may still mark the running attempt's run Crashed (it goes on, and ends Completed: Prefect allows
-Crashed -> Completed), and a newer attempt takes a run over only after the older one handed over
-(checkpointing/fencing.py). A real second
-crash inside that window is not lost: its run stops sending heartbeats, and automation 1 reports it again
-after ``within`` (> the debounce, checked at install): automation 3, ``training: crash not restarted -> restart``,
-reschedules a Crashed run that nothing followed (no restart, heartbeat or later state) for that long.
-
-Both are created idempotently, by name (an existing one is updated in place):
+Created idempotently, by name (an existing one is updated in place):
 
     python -m deployments.automations --deployment train/default --deployment retrain/nightly --deployment sweep/default
 """
@@ -40,17 +31,16 @@ from prefect.client.schemas.objects import StateType
 from prefect.settings import get_current_settings
 
 HEARTBEAT_LOST = "training: heartbeat lost -> crashed"
-RESTART_CRASHED = "training: crashed -> restart"
-RESTART_MISSED = "training: crash not restarted -> restart"
+RESTART_CRASHED = "training: crashed -> restart"  # removed: deployments/recovery.py restarts (see above)
+RESTART_MISSED = "training: crash not restarted -> restart"  # removed, as RESTART_CRASHED
+OBSOLETE = (RESTART_CRASHED, RESTART_MISSED)
 DEFAULT_DEPLOYMENTS = ("train/default", "retrain/nightly", "sweep/default")
 HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
-RESTART_DEBOUNCE_SECONDS = 45.0  # > the ~20 s between a death's two Crashed reports; < any heartbeat window
 MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency
 # What proves a run alive or finished. Not `prefect.flow-run.*`: on SQLite, every matching event is a
-# bucket write in the triggers service, and a write that collides with the restart action's state change
-# fails, is retried (restarting the run again each time), then dropped, after which Prefect holds that
-# run's later events (its next Crashed too) for up to 15 minutes. Crashed is left out on purpose: a crash
-# already has the restart automation; this one only has to notice silence. A preempted run's Scheduled state
+# bucket write in the triggers service, and a write that collides with a state change fails, is retried, then
+# dropped, after which Prefect holds that run's later events for up to 15 minutes. Crashed is left out: a run
+# already Crashed is refused another Crashed anyway; this one only has to notice silence. A preempted run's Scheduled state
 # (named Preempted, flows/restarts.py; events carry the state's name) is in: the run waits for a worker without
 # heartbeats, and marking it Crashed replaced its "Preempted" state (seen when the worker stopped with the machine:
 # Crashed 60 s later, then restarted as a crash).
@@ -67,20 +57,20 @@ ALIVE_OR_DONE = {
 }
 
 
-def heartbeat_lost(flow_ids: list[UUID], within_seconds: float) -> Automation:
-    """Marks Crashed any run of these flows that sent nothing for ``within_seconds`` after a heartbeat."""
+def heartbeat_lost(deployment_ids: list[UUID], within_seconds: float) -> Automation:
+    """Marks Crashed any run of these deployments that sent nothing for ``within_seconds`` after a heartbeat."""
     return Automation(
         name=HEARTBEAT_LOST,
-        description="A training flow run whose heartbeats stopped (its machine died) is marked Crashed, so that "
-        f"'{RESTART_CRASHED}' can restart it.",
+        description="A training deployment run whose heartbeats stopped (its machine died) is marked Crashed; "
+        "the reconciler (deployments/recovery.py) restarts it.",
         trigger=EventTrigger(
             posture=Posture.Proactive,
             after={"prefect.flow-run.heartbeat"},
             expect=ALIVE_OR_DONE,
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={
-                "prefect.resource.role": "flow",
-                "prefect.resource.id": [f"prefect.flow.{i}" for i in flow_ids],
+            match_related={  # deployment runs only: a CLI run against the server may send no heartbeats
+                "prefect.resource.role": "deployment",
+                "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids],
             },
             for_each={"prefect.resource.id"},
             threshold=1,
@@ -89,76 +79,6 @@ def heartbeat_lost(flow_ids: list[UUID], within_seconds: float) -> Automation:
         actions=[
             ChangeFlowRunState(
                 state=StateType.CRASHED, message=f"no heartbeat for {within_seconds:.0f}s: the flow-run process is gone"
-            )
-        ],
-    )
-
-
-def restart_crashed(deployment_ids: list[UUID], debounce_seconds: float = RESTART_DEBOUNCE_SECONDS) -> Automation:
-    """Moves a Crashed run of these deployments back to Scheduled, named AwaitingRestart: once per run within
-    ``debounce_seconds`` (a second report of the same death is ignored)."""
-    return Automation(
-        name=RESTART_CRASHED,
-        description="A Crashed flow run of a training deployment is rescheduled; it resumes from its last "
-        "checkpoint, and ends Failed past its max_restarts.",
-        trigger=EventTrigger(
-            posture=Posture.Reactive,
-            expect={"prefect.flow-run.Crashed"},
-            match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={
-                "prefect.resource.role": "deployment",
-                "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids],
-            },
-            for_each={"prefect.resource.id"},
-            threshold=1,
-            within=timedelta(seconds=debounce_seconds),
-        ),
-        actions=[
-            ChangeFlowRunState(
-                state=StateType.SCHEDULED,
-                name="AwaitingRestart",
-                message="restarted after a crash by the training deployment's automation",
-            )
-        ],
-    )
-
-
-# After a Crashed report of attempt N (events labelled prefect.run-count=N), what shows that attempt N was
-# restarted, is alive after all (the report was a late duplicate), or ended. State events are named after the state:
-# AwaitingRestart and Preempted are Scheduled states. training.attempt.alive comes from flows/restarts.py.
-RESTARTED_OR_ALIVE = {
-    "training.attempt.alive",
-    *(f"prefect.flow-run.{name}" for name in ("AwaitingRestart", "Preempted", "Completed", "Failed", "Cancelled",
-                                              "Cancelling")),
-}  # fmt: skip
-
-
-def restart_missed(deployment_ids: list[UUID], within_seconds: float) -> Automation:
-    """Reschedules a Crashed run of these deployments that nothing restarted within ``within_seconds``: a second
-    crash inside the restart's debounce window. Bucketed by attempt (``prefect.run-count``): Prefect keeps one bucket
-    per key, and the first crash's bucket, already answered by its restart, would swallow the second crash."""
-    return Automation(
-        name=RESTART_MISSED,
-        description=f"A Crashed training run that '{RESTART_CRASHED}' left alone (a second crash soon after the first) "
-        "is rescheduled once nothing else happened to it for a while.",
-        trigger=EventTrigger(
-            posture=Posture.Proactive,
-            after={"prefect.flow-run.Crashed"},
-            expect=RESTARTED_OR_ALIVE,
-            match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={
-                "prefect.resource.role": "deployment",
-                "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids],
-            },
-            for_each={"prefect.resource.id", "prefect.run-count"},
-            threshold=1,
-            within=timedelta(seconds=within_seconds),
-        ),
-        actions=[
-            ChangeFlowRunState(
-                state=StateType.SCHEDULED,
-                name="AwaitingRestart",
-                message=f"restarted after a crash that no restart followed for {within_seconds:.0f}s",
             )
         ],
     )
@@ -193,11 +113,10 @@ def heartbeat_seconds(client: SyncPrefectClient, deployment_ids: list[UUID]) -> 
 
 
 def install(deployment_names: list[str], within_seconds: float | None = None) -> list[Automation]:
-    """Creates or updates both automations for these deployments (``flow/deployment`` names)."""
+    """Creates or updates the heartbeat automation for these deployments (``flow/deployment`` names), and deletes the
+    restart automations an older install left (the reconciler restarts, deployments/recovery.py)."""
     with get_client(sync_client=True) as client:
-        deployments = [client.read_deployment_by_name(name) for name in deployment_names]
-        ids = [d.id for d in deployments]
-        flow_ids = sorted({d.flow_id for d in deployments}, key=str)
+        ids = [client.read_deployment_by_name(name).id for name in deployment_names]
         frequency = heartbeat_seconds(client, ids)
     within = within_seconds if within_seconds is not None else 3 * frequency
     if within <= frequency:
@@ -205,12 +124,10 @@ def install(deployment_names: list[str], within_seconds: float | None = None) ->
             f"within={within}s: must exceed the heartbeat frequency ({frequency}s), or every "
             f"healthy run would be marked Crashed; use about 3x the frequency"
         )
-    if within <= RESTART_DEBOUNCE_SECONDS:
-        raise ValueError(
-            f"within={within}s: must exceed the restart's debounce ({RESTART_DEBOUNCE_SECONDS:g}s), or a second crash "
-            f"inside it would never be reported again"
-        )
-    return [upsert(heartbeat_lost(flow_ids, within)), upsert(restart_crashed(ids)), upsert(restart_missed(ids, within))]
+    for name in OBSOLETE:
+        for automation in _by_name(name):
+            automation.delete()
+    return [upsert(heartbeat_lost(ids, within))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "--deployment",
         action="append",
         dest="deployments",
-        help=f"flow/deployment to restart after crashes (repeatable; default: {DEFAULT_DEPLOYMENTS})",
+        help=f"flow/deployment whose silent runs to mark Crashed (repeatable; default: {DEFAULT_DEPLOYMENTS})",
     )
     parser.add_argument(
         "--within",

@@ -1,34 +1,32 @@
-"""Crash recovery that does not depend on seeing an event live: a sweep over the training runs, at start and every
-few seconds, beside the automations (deployments/automations.py).
+"""The one restart authority of the training deployments: a reconciler that reads each run's current state and
+state history, and restarts a crash once (DESIGN.md section 6; docs/deployments.md, "Who restarts a crash").
 
-The automations react to events as they arrive. An event sent while the server or its database is down is lost; a
-server that restarted has forgotten which events it processed, and holds a run's state event that follows one from
-before the restart (a change less than 5 minutes after the previous one) for 15 minutes, waiting for that one
-(Prefect's causal ordering). PostgreSQL killed under a stack at a run's first checkpoint left the run Crashed after
-the stack came back, and no automation restarted it for those 15 minutes. The sweep reads the runs' states instead:
+Why a reconciler and not an automation: Prefect's automations act on events as they were, not on the run as it is.
+A Crashed event held after a server restart (Prefect's causal ordering holds a state event that follows one from
+before the restart) is evaluated ~15 minutes later, and an automation's ``ChangeFlowRunState`` then reschedules the
+run whatever state it is in by then: a Completed run was restarted that way, and so was one whose automation bucket
+insert had failed with ``database is locked``. An automation cannot read the current state; this can. So:
 
-- a training run that is Running but sent no heartbeat (nor ``training.attempt.alive``) for the heartbeat-lost window,
-  counted from no earlier than the sweeper's own start (heartbeats sent while the server was down are lost), is marked
-  Crashed, as the heartbeat automation would (``force=False``: Prefect refuses it once the run has ended);
-- a training run that is still Crashed when both restart automations had their chance (the window plus a margin after
-  the Crashed state) and that shows no sign of life within the window (a late second Crashed report of a death that
-  was already restarted leaves the live attempt under a Crashed state) is moved to Scheduled ``AwaitingRestart``,
-  exactly as the automation does.
+- ``decide`` (a pure function of a run's state history, the time and whether its attempt showed life since) restarts
+  only a run whose *current* state is ``Crashed`` (never Completed, Failed, Cancelled, Scheduled or Running), once
+  that Crashed has settled for ``GRACE_SECONDS`` with no sign of life after it (a live attempt under a Crashed state
+  is a late second report of a death already restarted: the worker's ``exited with non-zero status code -9``);
+- the restart is proposed with ``force=False`` and a ``transition_id`` derived from the death (the id of the first
+  Crashed state since the attempt's Running state), and only if the run's state is still the Crashed state read:
+  two reconcilers at once (the stack's and the worker's) get one restart (Prefect's PreventDuplicateTransitions
+  refuses a transition that repeats the current state's transition id);
+- a Running run that sent a heartbeat (or ``training.attempt.alive``) and then nothing for the heartbeat window,
+  counted from no earlier than this reconciler's start, is marked Crashed (evidence; restarted on a later pass). A run
+  that never sent one (a CLI sweep without heartbeats) is never marked;
+- every restart counts against ``max_restarts``: the flow counts its runs again, preemptions included
+  (flows/restarts.py), and ends Failed past the cap; Failed is never restarted.
 
-Never twice: the restart is proposed only for the same Crashed state the sweep read (read again just before), with
-Prefect's ``force=False`` rules and a ``transition_id`` derived from that state's id, so two sweepers (the stack's and
-a worker's) proposing the same restart get one accepted (Prefect's PreventDuplicateTransitions). The restart event
-also answers the third automation, which would otherwise restart the same crash. The cap is the flow's, as for the
-automation: an attempt past ``max_restarts`` ends the run Failed (flows/train.py), which nothing here matches; a
-newer attempt fences out an older one in the store (checkpointing/fencing.py).
+The reconciler runs every ``INTERVAL_SECONDS`` in the product's worker (deployments/worker.py) and in the stack
+(``python -m deployments.stack up``); a crash is restarted ``GRACE_SECONDS`` to ``GRACE_SECONDS + INTERVAL_SECONDS``
+after it was recorded.
 
-What the sweep cannot stop: when a held Crashed event is finally evaluated, 15 minutes on, both restart automations
-act on the run as it is then. Seen here: a run the sweep had restarted, Completed 13 minutes before, was rescheduled
-again and ran once more (Completed at once, no unit trained: the run was complete); a run still training then would be
-taken over by the newer attempt through the store's fencing and resume from its last checkpoint.
-
-    python -m deployments.recovery                  # every 30 s, for train/default and retrain/nightly
-    python -m deployments.recovery --once           # one sweep, then exit
+    python -m deployments.recovery                  # every few seconds, for the training deployments
+    python -m deployments.recovery --once           # one pass, then exit
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,41 +54,79 @@ from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.states import Crashed, Scheduled, to_state_create
 
-from deployments.automations import DEFAULT_DEPLOYMENTS, RESTART_MISSED, heartbeat_seconds
+from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, heartbeat_seconds
 
 logger = logging.getLogger("deployments.recovery")
-RESTARTED = "AwaitingRestart"  # the state the restart automation sets (flows/restarts.py reads the same name)
+RESTARTED = "AwaitingRestart"  # the restart's state name (flows/restarts.py reads the same name)
+ATTEMPT_DIED = "AttemptDied"  # a subflow a restarted attempt ended (flows/restarts.py): never a death to restart
 LIFE = ["prefect.flow-run.heartbeat", "training.attempt.alive"]  # what a live attempt sends (flows/restarts.py)
-MARGIN_SECONDS = 30.0  # after the automations' window: the third automation fires at its end, give it time to act
-INTERVAL_SECONDS = 30.0
+GRACE_SECONDS = 15.0  # > flows/restarts.py's ALIVE_SECONDS (5) twice plus the event's way into the database
+INTERVAL_SECONDS = 3.0
 PAGE = 200
-TRANSITIONS = uuid.UUID("7b0f6a52-3c1e-4d55-9a57-4f0c1b0e9d21")  # namespace of the sweep's transition ids
+TRANSITIONS = uuid.UUID("7b0f6a52-3c1e-4d55-9a57-4f0c1b0e9d21")  # namespace of the restarts' transition ids
 
 
 @dataclass(frozen=True)
 class Windows:
-    """How long silence and an unanswered Crashed must last before the sweep acts."""
+    """How long silence and a Crashed state must last before the reconciler acts."""
 
     silent: timedelta  # no heartbeat this long: the process is gone (the heartbeat automation's ``within``)
-    settle: timedelta  # a Crashed this old that nothing restarted: the automations missed it
+    settle: timedelta  # a Crashed this old, with no life after it, is a death to restart
     watching_since: datetime  # silence counts from no earlier than this: beats sent while the server was down are lost
 
     @classmethod
-    def of(cls, silent_seconds: float, watching_since: datetime, margin_seconds: float = MARGIN_SECONDS) -> Windows:
+    def of(
+        cls, silent_seconds: float, watching_since: datetime, margin_seconds: float | None = None,
+        settle_seconds: float = GRACE_SECONDS,
+    ) -> Windows:  # fmt: skip
+        """``margin_seconds``, if given, settles a crash ``silent_seconds + margin_seconds`` after it (tests)."""
         silent = timedelta(seconds=silent_seconds)
-        return cls(silent, silent + timedelta(seconds=margin_seconds), watching_since)
+        settle = silent + timedelta(seconds=margin_seconds) if margin_seconds is not None else None
+        return cls(silent, settle if settle is not None else timedelta(seconds=settle_seconds), watching_since)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the reconciler does with one run: restart it (with this transition id) or not, and why."""
+
+    restart: bool
+    why: str
+    transition_id: UUID | None = None
+
+
+def death_of(history: list[State]) -> State | None:
+    """The Crashed state that recorded the current attempt's death: the first Crashed since its last Running state
+    (a second report of the same exit, landing on the restart's Scheduled or Pending state, is the same death)."""
+    runnings = [i for i, state in enumerate(history) if state.type == StateType.RUNNING]
+    since = history[runnings[-1] + 1 :] if runnings else history
+    return next((state for state in since if state.type == StateType.CRASHED and state.name != ATTEMPT_DIED), None)
+
+
+def decide(history: list[State], now: datetime, alive_since_crash: bool, settle: timedelta) -> Decision:
+    """Whether to restart a run whose state history (oldest first) is ``history``. Only from ``Crashed``."""
+    if not history:
+        return Decision(False, "no state")
+    current = history[-1]
+    if current.type != StateType.CRASHED or current.name == ATTEMPT_DIED:
+        return Decision(False, f"{current.type.value} ({current.name}): only a Crashed run is restarted")
+    if now - current.timestamp < settle:
+        return Decision(False, "Crashed moments ago: waiting for a sign of life that would make it a late report")
+    if alive_since_crash:
+        return Decision(False, "its attempt sent a sign of life after the Crashed: a late report, not a death")
+    death = death_of(history) or current
+    return Decision(True, f"Crashed at {death.timestamp:%H:%M:%S} UTC", uuid.uuid5(TRANSITIONS, str(death.id)))
 
 
 def sweep(client: SyncPrefectClient, deployment_ids: list[UUID], windows: Windows) -> list[UUID]:
-    """One pass over the runs of these deployments: marks the silent Running ones Crashed, restarts the stranded
-    Crashed ones; returns the ids of the runs it restarted."""
+    """One pass over the runs of these deployments: marks the silent Running ones Crashed, restarts the Crashed ones
+    ``decide`` says to; returns the ids of the runs it restarted."""
     restarted = []
     for run in _runs(client, deployment_ids, [StateType.RUNNING, StateType.CRASHED]):
         if run.state is None:
             continue
         if run.state.type == StateType.RUNNING:
             _crash_if_silent(client, run, windows)
-        elif _stranded(client, run, windows) and _restart(client, run):
+        elif _restart(client, run, windows.settle):
             restarted.append(run.id)
     return restarted
 
@@ -130,37 +166,23 @@ def _crash_if_silent(client: SyncPrefectClient, run: FlowRun, windows: Windows) 
         )
 
 
-def _stranded(client: SyncPrefectClient, run: FlowRun, windows: Windows) -> bool:
-    """Crashed long enough ago that the automations would have restarted it, and not alive after all."""
-    assert run.state is not None
-    now = _now()
-    if now - run.state.timestamp < windows.settle:
-        return False
-    return _last_life(client, run.id, since=now - windows.silent) is None
-
-
-def _restart(client: SyncPrefectClient, run: FlowRun) -> bool:
-    """Moves the run from the Crashed state the sweep read to Scheduled ``AwaitingRestart``; False if anything else
-    changed it first, or another sweeper already made this very transition."""
+def _restart(client: SyncPrefectClient, run: FlowRun, settle: timedelta = timedelta(0)) -> bool:
+    """Moves the run from the Crashed state read to Scheduled ``AwaitingRestart`` if ``decide`` says so; False if
+    anything else changed it first, or another reconciler already made this very transition."""
     crashed = run.state
     assert crashed is not None
-    current = client.read_flow_run(run.id).state
-    if current is None or current.id != crashed.id:
+    history = sorted(client.read_flow_run_states(run.id), key=lambda state: state.timestamp)
+    if not history or history[-1].id != crashed.id:
+        return False  # it moved on since it was read
+    alive = _last_life(client, run.id, since=crashed.timestamp) is not None
+    decision = decide(history, _now(), alive, settle)
+    if not decision.restart or decision.transition_id is None:
+        logger.debug("flow run %s (%s): not restarted: %s", run.id, run.name, decision.why)
         return False
-    state: State = Scheduled(
-        name=RESTARTED,
-        message=f"restarted after a crash ({crashed.timestamp:%H:%M:%S} UTC) "
-        "that no automation restarted: the recovery sweep",
-    )
-    if _propose(client, run.id, state, uuid.uuid5(TRANSITIONS, str(crashed.id))) != SetStateStatus.ACCEPT:
+    state: State = Scheduled(name=RESTARTED, message=f"restarted after a crash ({decision.why}): the reconciler")
+    if _propose(client, run.id, state, decision.transition_id) != SetStateStatus.ACCEPT:
         return False
-    logger.warning(
-        "flow run %s (%s): Crashed since %s and not restarted; rescheduled (%s)",
-        run.id,
-        run.name,
-        f"{crashed.timestamp:%Y-%m-%d %H:%M:%S} UTC",
-        RESTARTED,
-    )
+    logger.warning("flow run %s (%s): %s; rescheduled (%s)", run.id, run.name, decision.why, RESTARTED)
     return True
 
 
@@ -198,9 +220,9 @@ def _now() -> datetime:
 
 
 def silent_seconds(client: SyncPrefectClient, deployment_ids: list[UUID]) -> float:
-    """The heartbeat-lost window: the installed third automation's ``within`` (the same as the heartbeat
-    automation's), else three heartbeats, as ``python -m deployments.automations`` would install."""
-    for automation in client.read_automations_by_name(name=RESTART_MISSED):
+    """The heartbeat-lost window: the installed heartbeat automation's ``within``, else three heartbeats, as
+    ``python -m deployments.automations`` would install."""
+    for automation in client.read_automations_by_name(name=HEARTBEAT_LOST):
         within = getattr(automation.trigger, "within", None)
         if within:
             return within.total_seconds()
@@ -218,12 +240,25 @@ def deployment_ids(client: SyncPrefectClient, names: list[str]) -> list[UUID]:
     return found
 
 
-def sweep_once(names: list[str], watching_since: datetime, margin_seconds: float = MARGIN_SECONDS) -> list[UUID]:
-    """One sweep over the named deployments' runs, with the windows the installed automations use."""
+def sweep_once(names: list[str], watching_since: datetime) -> list[UUID]:
+    """One pass over the named deployments' runs, with the heartbeat window the installed automation uses."""
     with get_client(sync_client=True) as client:
         ids = deployment_ids(client, names)
-        windows = Windows.of(silent_seconds(client, ids), watching_since, margin_seconds)
-        return sweep(client, ids, windows)
+        return sweep(client, ids, Windows.of(silent_seconds(client, ids), watching_since))
+
+
+def reconcile_forever(
+    names: list[str], interval: float = INTERVAL_SECONDS, stop: threading.Event | None = None
+) -> None:
+    """Passes every ``interval`` seconds until ``stop`` is set; an API that does not answer is logged and outlived."""
+    stop = stop or threading.Event()
+    watching_since = _now()  # silence counts from here: heartbeats sent before, while the server was down, are lost
+    while not stop.is_set():
+        try:
+            sweep_once(names, watching_since)
+        except Exception as exc:  # the server or its database is down: it is what this reconciler outlives
+            logger.warning("reconcile failed (%s: %s); next in %.0fs", type(exc).__name__, exc, interval)
+        stop.wait(interval)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,14 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     names = args.deployments or list(DEFAULT_DEPLOYMENTS)
     if args.once:
         return _by_hand(names)
-    logger.info("sweeping the crashed runs of %s every %.0fs", ", ".join(names), args.interval)
-    watching_since = _now()  # silence counts from here: heartbeats sent before, while the server was down, are lost
-    while True:
-        try:
-            sweep_once(names, watching_since)
-        except Exception as exc:  # the server or its database is down: it is what this sweeper outlives
-            logger.warning("sweep failed (%s: %s); next in %.0fs", type(exc).__name__, exc, args.interval)
-        time.sleep(args.interval)
+    logger.info("reconciling the crashed runs of %s every %.0fs", ", ".join(names), args.interval)
+    reconcile_forever(names, args.interval)
+    return 0
 
 
 def _by_hand(names: list[str]) -> int:

@@ -12,6 +12,13 @@ its flow-run processes (a preemption, training/preemption.py: a checkpoint at th
 itself, Scheduled "Preempted", for the next worker), waits until they have left, and stops. A second SIGTERM is
 logged and ignored; a second Ctrl-C (a person at the terminal) stops the runs at once, as Prefect's worker does. A run
 still there after ``--stop-seconds`` is stopped that way too.
+
+Two more differences. It reports a flow-run process's non-zero exit as Crashed only while the run is still in the
+attempt that process ran (``should_report_exit``): Prefect's worker reports the exit again 20-40 s after the runner in
+the process did, by which time the run was restarted, and that second Crashed landed on the restart (or on the next
+attempt, alive). And it runs the reconciler (deployments/recovery.py), the one component that restarts a crashed run,
+every few seconds beside the worker (``--no-reconciler`` to leave that to another process): two reconcilers at once
+still make one restart.
 """
 
 from __future__ import annotations
@@ -22,12 +29,16 @@ import functools
 import os
 import signal
 import sys
+import threading
 from typing import Any
 from uuid import UUID
 
 import anyio
 import anyio.abc
+from prefect.client.schemas.objects import StateType
 from prefect.workers.process import ProcessWorker
+
+from deployments import recovery
 
 STOP_SECONDS = 60.0  # more than a run's preemption_grace_seconds (25 by default): its checkpoint, then its exit
 DESCRIPTION = "Prefect's process worker, whose stop (SIGTERM, Ctrl-C) preempts its flow runs instead of killing them."
@@ -45,17 +56,44 @@ class PreemptingProcessWorker(ProcessWorker):
         super().__init__(*args, **kwargs)
         self.stopping = False
         self.runs: dict[UUID, int | None] = {}  # flow run -> its process, while this worker runs it
+        self.attempts: dict[UUID, int] = {}  # flow run -> the attempt (run_count) its process runs
 
     async def get_and_submit_flow_runs(self) -> list[Any]:
         return [] if self.stopping else await super().get_and_submit_flow_runs()
 
     async def run(self, flow_run: Any, configuration: Any, task_status: Any = None) -> Any:
         self.runs[flow_run.id] = None
+        self.attempts[flow_run.id] = (flow_run.run_count or 0) + 1  # the engine counts the run as it starts
         started = _Started(self.runs, flow_run.id, task_status or anyio.TASK_STATUS_IGNORED)
         try:
             return await super().run(flow_run, configuration, started)
         finally:
             self.runs.pop(flow_run.id, None)
+
+    async def _propose_crashed_state(self, flow_run: Any, message: str, client: Any = None) -> None:
+        """Prefect's report of a process's non-zero exit, made only while the run is still in that attempt."""
+        attempt = self.attempts.pop(flow_run.id, (flow_run.run_count or 0) + 1)
+        try:
+            current = await (client or self.client).read_flow_run(flow_run.id)
+        except Exception as exc:  # the API is down: Prefect's own report would fail the same way
+            say(f"flow run {flow_run.id}: could not read its state before reporting its exit ({exc})")
+            current = None
+        if current is not None and not should_report_exit(attempt, current.run_count, current.state_type):
+            say(f"flow run {flow_run.id}: {message.split('.')[0]}: already recorded ({current.state_name}, run "
+                f"{current.run_count}); not reported again")  # fmt: skip
+            return
+        await super()._propose_crashed_state(flow_run, message, client=client)
+
+
+def should_report_exit(attempt: int, run_count: int, state_type: StateType | None) -> bool:
+    """Whether the exit of the process that ran ``attempt`` is news: the run is still Running that attempt, or still
+    Pending with it (the process died before its engine started). Anything else (Crashed, Scheduled for a restart, a
+    newer attempt, an end state) means the exit was recorded, or no longer matters."""
+    if state_type == StateType.RUNNING:
+        return run_count == attempt
+    if state_type == StateType.PENDING:
+        return run_count == attempt - 1
+    return False
 
 
 class _Started:
@@ -121,9 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="the most flow runs at once")
     wait = f"how long a stop waits for the flow runs to leave (default {STOP_SECONDS:g})"
     parser.add_argument("--stop-seconds", type=float, default=STOP_SECONDS, help=wait)
+    parser.add_argument(
+        "--no-reconciler", action="store_true", help="do not restart crashed runs here (deployments/recovery.py)"
+    )
     args = parser.parse_args(argv)
     worker = PreemptingProcessWorker(work_pool_name=args.pool, name=args.name, limit=args.limit)
-    anyio.run(serve, worker, args.stop_seconds)
+    stop = threading.Event()
+    if not args.no_reconciler:
+        names = list(recovery.DEFAULT_DEPLOYMENTS)
+        thread = threading.Thread(target=recovery.reconcile_forever, args=(names,), kwargs={"stop": stop}, daemon=True)
+        thread.start()
+    try:
+        anyio.run(serve, worker, args.stop_seconds)
+    finally:
+        stop.set()
     return 0
 
 

@@ -1,9 +1,10 @@
 """Attempts, restarts and the way an attempt leaves: the Prefect side of a run's lifecycle.
 
 Prefect's ``run_count`` starts at 1 and grows by one each time a flow run runs again. A run comes back for
-two reasons: the restart automation rescheduled it after a crash (a state named ``AwaitingRestart``), or it was
-preempted and rescheduled itself (``Preempted``). Only the first counts against ``max_restarts``: a spot machine
-taken away is not a failure of the user's code.
+two reasons: the reconciler restarted it after a crash (a state named ``AwaitingRestart``, deployments/recovery.py),
+or it was preempted and rescheduled itself (``Preempted``). Both count against ``max_restarts``: a "preemption" can
+be a crash in disguise (a rank's death whose cleanup SIGTERM reached the survivors), and one that repeats at the same
+step must end Failed, not loop for ever.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tasks.trial import UNTRUSTED_ENV as UNTRUSTED_TRIAL_ENV
 from training.preemption import STOP, Preempted
 
 logger = logging.getLogger(__name__)
-RESTARTED = "AwaitingRestart"  # the state the restart automation sets (deployments/automations.py)
+RESTARTED = "AwaitingRestart"  # the state the reconciler sets (deployments/recovery.py)
 ATTEMPT_DIED = "AttemptDied"  # the Crashed state of a task run an earlier attempt left unfinished
 UNFINISHED = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]
 
@@ -64,15 +65,9 @@ def parameters_untrusted() -> bool:
 
 
 def restart_count() -> int:
-    """How often this flow run ran again after a crash before this attempt: its runs after the first, less those
-    that followed a preemption. (Not the number of ``AwaitingRestart`` states: a worker may report one death
-    twice, and each report can reschedule the run.)"""
-    runs_again = retries_of(flow_run.run_count)
-    if not is_deployment_run() or runs_again == 0:
-        return runs_again
-    with get_client(sync_client=True) as client:
-        states = client.read_flow_run_states(UUID(flow_run.id))
-    return max(runs_again - sum(1 for state in states if state.name == PREEMPTED), 0)
+    """How often this flow run ran again before this attempt, whatever brought it back (a crash's restart or a
+    preemption's reschedule): its runs after the first."""
+    return retries_of(flow_run.run_count)
 
 
 def leave(stop: Preempted) -> BaseException:
@@ -86,7 +81,9 @@ def leave(stop: Preempted) -> BaseException:
     - a run outside a deployment: Cancelled, named ``Preempted`` (``Superseded`` when another run took it over),
       never Crashed; ``train()``'s caller still gets the ``Preempted`` (flows/train.py; the CLI exits 143, 130 for
       Ctrl-C);
-    - a deployment run taken over by another flow run: ``Preempted`` itself (the engine ends it Crashed)."""
+    - a run taken over by another flow run of the same ``run_name`` (fenced out, checkpointing/fencing.py): Cancelled,
+      named ``Superseded``, deployment runs included: never Crashed, so the reconciler never reschedules it to take
+      the run back (the ping-pong of two flow runs of one name)."""
     logger.warning("%s%s", stop.describe(), "; the restart will resume from it" if stop.checkpoint else "")
     if STOP.ignored:
         ignored = ", ".join(STOP.ignored)
@@ -94,7 +91,7 @@ def leave(stop: Preempted) -> BaseException:
     if stop.stop.kind == "handover":
         if flow_run.id and (stop.stop.by or {}).get("owner") == flow_run.id:
             return _abort_keeping_state("a newer attempt of this flow run took it over; this one leaves")
-        return stop if is_deployment_run() else _end_stopped(stop)  # a deployment run: as before (Crashed)
+        return _end_stopped(stop)
     if _cancel_requested():
         return TerminationSignal(signal.SIGTERM)
     if is_deployment_run():
@@ -249,15 +246,15 @@ def leave_superseded() -> BaseException:
     return _abort_keeping_state("a newer attempt of this flow run took it over; this one leaves")
 
 
-ALIVE_EVENT = "training.attempt.alive"  # deployments/automations.py's third automation listens for it
-ALIVE_SECONDS = 10.0
+ALIVE_EVENT = "training.attempt.alive"  # the reconciler reads it (deployments/recovery.py)
+ALIVE_SECONDS = 5.0  # the reconciler waits GRACE_SECONDS (15) for one after a Crashed
 
 
 class AttemptAlive:
     """While this attempt of a deployment run trains, emits ``training.attempt.alive`` every ``ALIVE_SECONDS``,
-    labelled with the run's ``run_count``: Prefect's own heartbeats say a flow run is alive, not *which attempt*,
-    and the automation that restarts a crash nothing else restarted must tell this attempt (alive, after a late
-    Crashed report of the previous one) from a second attempt that died. A no-op outside deployment runs."""
+    labelled with the run's ``run_count``: the reconciler (deployments/recovery.py) must tell this attempt (alive,
+    after a late Crashed report of the previous one) from an attempt that died, within seconds (Prefect's heartbeats
+    come every 30 s at the least). A no-op outside deployment runs."""
 
     def __init__(self, interval: float = ALIVE_SECONDS):
         self.interval = interval

@@ -81,14 +81,12 @@ def test_installing_the_automations_again_updates_them_in_place(prefect_stack):
     finally:
         install_automations(prefect_stack.stack, "--within", str(HEARTBEAT_WITHIN_SECONDS))
 
-    assert {n: [a.id for a in found] for n, found in after.items()} == {
-        n: [a.id for a in found] for n, found in before.items()
-    }  # one of each, the same objects
+    assert [a.id for a in after[HEARTBEAT_LOST]] == [a.id for a in before[HEARTBEAT_LOST]]  # one, the same object
     assert after[HEARTBEAT_LOST][0].trigger.within == timedelta(seconds=75)
-    assert after[RESTART_MISSED][0].trigger.within == timedelta(seconds=75)
-    assert after[RESTART_CRASHED][0].trigger.within == timedelta(seconds=45)  # one restart per death
-    for name in (RESTART_CRASHED, RESTART_MISSED):
-        assert set(after[name][0].trigger.match_related.root["prefect.resource.id"]) == deployment_ids
+    # deployment runs only: a CLI run against this server (a sweep without heartbeats) is never matched
+    assert set(after[HEARTBEAT_LOST][0].trigger.match_related.root["prefect.resource.id"]) == deployment_ids
+    # nothing restarts a run on an event as it was: the reconciler (deployments/recovery.py) is the one authority
+    assert after[RESTART_CRASHED] == [] and after[RESTART_MISSED] == []
 
 
 def test_deployment_run_from_the_cli_completes_with_checkpoints_and_artifacts(prefect_stack, tmp_path):
@@ -145,7 +143,9 @@ def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefec
     run = wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
     assert run.id == run_id and run.run_count >= 2
     names = state_names(prefect_stack, run_id)
-    assert "Crashed" in names and "AwaitingRestart" in names
+    # one death: one Crashed (the worker's late report of the same exit is not sent), one restart, then Completed
+    assert names.count("Crashed") == 1 and names.count("AwaitingRestart") == 1, names
+    assert run.run_count == 2 and names[-1] == "Completed", names
     saved = checkpoints(folder, "killed")
     assert sorted(saved) == ["ep1-ba8-sa256", "ep2-ba16-sa512", "ep3-ba24-sa768"]
     # ep1 is still the killed process's; the restarted process resumed from it rather than starting over.
