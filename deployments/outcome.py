@@ -6,9 +6,9 @@ python -m deployments.outcome --deployment NAME --params JSON [--timeout S].
 ``prefect deployment run --watch`` and ``run_deployment()`` stop at the first terminal state, and two of the states a
 training run passes through on its way to Completed look terminal to them without being its outcome:
 
-* **Crashed** — its machine died (SIGKILL, OOM, a lost node). The restart automation (deployments/automations.py)
-  reschedules it within ``RESTART_DEBOUNCE_SECONDS`` (or, if that report was swallowed, within the heartbeat
-  window): the same flow run then resumes from its latest checkpoint. Crashed is the outcome only if it stays.
+* **Crashed** — its machine died (SIGKILL, OOM, a lost node). The reconciler (deployments/recovery.py) reschedules it
+  15-18 s later (a dead machine: once the heartbeat window marked it Crashed): the same flow run then resumes from
+  its latest checkpoint. Crashed is the outcome only if it stays.
 * A preempted run (SIGTERM) is rescheduled by itself as **Scheduled "Preempted"**, which ``--watch`` already waits
   through (it is not terminal).
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
 
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
-CRASHED_FOR_SECONDS = 600.0  # > RESTART_DEBOUNCE_SECONDS and the default heartbeat window (3 x 180 s)
+CRASHED_FOR_SECONDS = 600.0  # > the reconciler's grace and the default heartbeat window (3 x 180 s)
 
 
 def wait_for_outcome(

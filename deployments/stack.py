@@ -14,9 +14,9 @@ none of the caller's credentials (the worker's flow runs need them; a server doe
 stack stop the rest and exit non-zero (128+N for signal N), so that a supervisor's restart-on-failure fires.
 
 The worker is Prefect's process worker with another stop (deployments/worker.py): SIGTERM or Ctrl-C preempts its flow
-runs (a checkpoint, then each reschedules itself) instead of killing them. ``up`` and ``worker`` also start the
-recovery sweeper (deployments/recovery.py), which restarts training runs whose crash no automation saw (an outage of
-the server or its database).
+runs (a checkpoint, then each reschedules itself) instead of killing them, and runs the reconciler
+(deployments/recovery.py), the one component that restarts a crashed training run. ``up`` and ``worker`` also start
+it on its own, ``python -m deployments.recovery``: two reconcilers at once still make one restart.
 
 A worker started here gives its flow runs OMP_NUM_THREADS (one less than this machine's cores, unless set):
 torch's default, one OpenMP thread per core, collapses when the server and worker share those cores.
@@ -219,7 +219,7 @@ def start_worker(
 
 
 def start_recovery(stack: Stack, log: Path | None = None) -> subprocess.Popen:
-    """``python -m deployments.recovery``: restarts the crashed training runs no automation restarted (an outage)."""
+    """``python -m deployments.recovery``: the reconciler that restarts crashed training runs, once each."""
     return _spawn([sys.executable, "-m", "deployments.recovery"], stack.client_env(), log)
 
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("up", "worker"):
             procs.append(("worker", start_worker(stack)))
             print(f"worker on pool {POOL}; its flow runs get OMP_NUM_THREADS={worker_threads()}")
-            procs.append(("recovery", start_recovery(stack)))  # restarts runs whose crash an outage hid
+            procs.append(("recovery", start_recovery(stack)))  # the reconciler, also when the worker is replaced
         print(f"Use it from another shell:  export PREFECT_HOME={stack.home} PREFECT_API_URL={stack.api_url}")
         print(where_the_ui_is(stack))
         print("Ctrl-C stops " + " and ".join(name for name, _ in procs))
