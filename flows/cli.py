@@ -84,25 +84,22 @@ def config_error(exc: Exception, argv: list[str]) -> str:
 
 def check_before_prefect(config: TrainConfig) -> None:
     """What fails at once, before a flow run exists: a recipe that may not run here or whose arguments do not
-    build, a load_path that does not fit the model, a launch that would continue the run with another model or data order,
-    a resume_from that names no checkpoint of the run. Imports
-    torch and the recipe (the temporary server, started already, comes up meanwhile)."""
-    from training.recipe.loader import allow_recipe
+    build, a load_path that does not fit the model, a launch that would continue the run with another model or data
+    order, a resume_from that names no checkpoint of the run. Imports torch and the recipe (the temporary server,
+    started already, comes up meanwhile). ``python -m`` ran the checks of the run folder before that server
+    (flows/launch.py); they run again here for ``main(argv)`` called from Python."""
     from training.run import check_resumable
-    from training.start.identity import check_same_run
+    from training.start.launch_checks import check_recipe_allowed, check_relaunch
     from training.start.preflight import preflight
     from training.start.rollback import pending_roll_back
     from training.start.warm_start import check_before_start
     from training.unit.session import open_store
 
-    if ":" in config.recipe:
-        allow_recipe(config.recipe)
+    check_recipe_allowed(config)
     epoch_size = preflight(config)  # a bad recipe or recipe_args fails before the flow run is created
     check_before_start(config)  # ... and so does a load_path that does not fit the model
     store = open_store(config)
-    start = store.latest() if config.autoresume else None
-    if start is not None:  # ... and a launch that would continue the run with another model or data order
-        check_same_run(config, start)
+    start = check_relaunch(config, store)  # ... and a launch that would continue the run with another model or data
     rollback_to = pending_roll_back(config, store) if config.resume_from else None  # ... and a bad resume_from
     if start is not None and not rollback_to:  # ... and progress counters that place the run outside its data
         check_resumable(config, start, epoch_size)

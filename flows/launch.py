@@ -3,8 +3,10 @@
 Importing them takes ~2 s here and the pre-flight ~1 s more, while a temporary Prefect server takes 2-15 s to
 start: done one after the other, a run without a running server paid both. So the command, from the package's
 ``__init__`` (the first code ``python -m flows.train`` runs), first reads its flags (``--help`` answers here and
-a configuration mistake ends here, with one line, exit code 2, nothing started), then starts the temporary server
-(flows/server.py) as a child process and goes on importing; ``prefect_api`` adopts the server when the flow needs
+a configuration mistake ends here, with one line, exit code 2, nothing started), then runs the checks that need only
+the run folder (a recipe not allowed, a relaunch with another model or data order: training/start/launch_checks.py;
+they import torch, ~1-2 s, but no server is started for a launch they refuse: tests/integration/test_preflight.py),
+then starts the temporary server (flows/server.py) as a child process and goes on importing; ``prefect_api`` adopts the server when the flow needs
 it. Nothing here runs for ``import flows...`` in a program, in a test or in a flow-run process: only when this
 interpreter was started as ``python -m flows.train`` or ``python -m flows.retrain`` (whose own flags are in
 flows/options.py, light too).
@@ -17,6 +19,10 @@ import logging
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
 
 COMMANDS = ("flows.train", "flows.retrain", "flows.sweep")
 _SHORT_FLAGS = re.compile(r"^-[bBdEiIOPqsSuvx]*m(.*)$")  # python's flags without an argument, then -m
@@ -50,6 +56,7 @@ def start(module: str, argv: list[str]) -> None:
     """What command ``module`` with flags ``argv`` does first: answer ``--help`` or a configuration mistake and
     exit, else start the temporary server unless a Prefect server is configured or running."""
     atexit.register(exit_without_teardown)  # registered first: runs after every other exit handler
+    from checkpointing import CheckpointError, StorageError
     from flows import cli, server
     from flows.options import RetrainOptions, sweep_options
 
@@ -61,9 +68,25 @@ def start(module: str, argv: list[str]) -> None:
             from training.sweep.config import SweepConfig
 
             SweepConfig(train=config, **own)
+        check_before_server(module, config)
     except cli.CONFIG_ERRORS as exc:
         sys.exit(cli.fail(cli.config_error(exc, argv), 2))
+    except (CheckpointError, StorageError) as exc:
+        sys.exit(cli.fail(f"run {config.run_name!r}: {exc}", 1))
     server.start_early()
+
+
+def check_before_server(module: str, config: TrainConfig) -> None:
+    """What refuses a launch from the configuration and the run folder alone (a recipe not allowed here, a relaunch
+    that would continue the run with another model or data order or write over it): before a temporary server
+    starts, so that such a refusal takes seconds (training/start/launch_checks.py; the run's start-up checks again).
+    A sweep's trials have run folders of their own: only its recipe is checked here."""
+    from training.start.launch_checks import check_launch, check_recipe_allowed
+
+    if module == "flows.sweep":
+        check_recipe_allowed(config)
+    else:
+        check_launch(config)
 
 
 def exit_without_teardown() -> None:

@@ -82,18 +82,18 @@ class TemporaryServer:
             preemption.raise_if_requested()
             now = time.monotonic()
             if self.proc.poll() is not None or now - self.started > patience:
-                self.stop()
-                what = (
+                what = (  # before stop(), after which its process has exited either way
                     f"exited with code {self.proc.returncode}"
                     if self.proc.returncode is not None
                     else f"did not answer within {patience:.0f} s"
                 )
+                self.stop()
                 raise RuntimeError(
                     f"the temporary Prefect server {what}; set PREFECT_API_URL to a running server "
                     f"or start one with `make server`"
                 )
-            if now >= note_at:
-                note_at += NOTE_EVERY
+            if now >= note_at:  # the next note NOTE_EVERY s after this one, not after a mark this wait came after
+                note_at = now + NOTE_EVERY  # (+= printed "82 s" 4 times at once after an 82 s pre-flight)
                 print(
                     f"still starting the temporary Prefect server ({now - self.started:.0f} s, load average "
                     f"{os.getloadavg()[0]:.1f}); waiting while it runs",

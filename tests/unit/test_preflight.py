@@ -1,0 +1,70 @@
+"""Issue 46, unit level: the checks a launch runs before any server (training/start/launch_checks.py), the
+temporary server's "still starting" line, whose seconds move, and the loader workers' start line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flows import server
+from training.config import ConfigError
+
+
+def test_still_starting_line_says_seconds_that_move(monkeypatch, capsys):
+    """A wait that begins long after the server's start (an 82 s pre-flight) prints one line per NOTE_EVERY with the
+    seconds elapsed at that moment, not a burst of lines repeating the same number."""
+    monkeypatch.setattr(server, "NOTE_EVERY", 1.0)
+    waiting = object.__new__(server.TemporaryServer)
+    waiting.url = f"http://127.0.0.1:{server.free_port()}/api"  # nothing listens: it never answers
+    waiting.ready = False
+    waiting.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    waiting.started = time.monotonic() - 82
+    with pytest.raises(RuntimeError, match="did not answer within"):
+        waiting.wait_ready(patience=82 + 3.5)
+    assert waiting.proc.poll() is not None  # stopped
+    seconds = [
+        int(s) for s in re.findall(r"still starting the temporary Prefect server \((\d+) s", capsys.readouterr().err)
+    ]
+    assert 2 <= len(seconds) <= 5, seconds
+    assert seconds == sorted(set(seconds)), f"the same number printed again: {seconds}"
+    assert seconds[0] == 82 and seconds[-1] >= 84, seconds
+
+
+def test_launch_checks_refuse_a_changed_configuration_without_claiming(make_config, train_run):
+    """The identity check reads the run folder's newest checkpoint and writes nothing: the claim is untouched."""
+    from training.start.launch_checks import check_launch
+
+    config = make_config(max_duration="1ep")
+    train_run(config)
+    run_dir = config.save_folder + "/r"
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match=r"another configuration than this launch \(seed: 7 -> 8"):
+        check_launch(make_config(max_duration="1ep", seed=8))
+    with pytest.raises(ConfigError, match="autoresume=False but run_name='r' already has checkpoints"):
+        check_launch(make_config(max_duration="1ep", autoresume=False))
+    check_launch(make_config(max_duration="2ep"))  # a longer duration continues the same run
+    check_launch(make_config(max_duration="1ep", autoresume=False, save_overwrite=True))  # starts over later
+    assert snapshot(run_dir) == before
+
+
+def test_launch_checks_refuse_a_recipe_not_allowed(make_config):
+    from training.start.launch_checks import check_launch
+
+    with pytest.raises(ConfigError, match="recipe='no_such_recipe' is not allowed"):
+        check_launch(make_config(recipe="no_such_recipe"))
+
+
+def snapshot(folder: str) -> dict[str, tuple[int, int]]:
+    import os
+
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            found[os.path.join(root, name)] = (st.st_size, st.st_mtime_ns)
+    return found
+
