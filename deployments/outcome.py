@@ -89,7 +89,7 @@ def start(deployment: str, parameters: dict[str, Any]) -> UUID:
 
 
 def say(state: State) -> None:
-    note = " (the restart automation reschedules it; waiting)" if state.type.value == "CRASHED" else ""
+    note = " (the reconciler reschedules it; waiting)" if state.type.value == "CRASHED" else ""
     print(f"  {state.timestamp:%H:%M:%S} {state.name}{note}", file=sys.stderr, flush=True)  # stdout: the outcome
 
 

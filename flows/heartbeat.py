@@ -3,7 +3,7 @@
 The heartbeat thread (``prefect.flow_engine._send_heartbeats``) sleeps in steps of one second and looks at its stop
 flag between them; the engine joins it (up to 2 s) when the flow function returns. Every flow run therefore ended
 0-1 s (0.5 s on average, 0.75 s in a profile here) after its work was done. The join itself is worth keeping: no
-heartbeat may follow the run's final state, or the restart automation's "heartbeat lost" trigger (which expects a
+heartbeat may follow the run's final state, or the "heartbeat lost" automation (which expects a
 heartbeat or an end state after each heartbeat) would later mark a finished run Crashed.
 
 ``install`` puts in the same heartbeat — same thread, same events built by the engine's own methods, same interval

@@ -30,7 +30,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from checkpointing import Ledger, copy_checkpoint
 from checkpointing.io.storage import Storage
 from flows import cli, ship_module_logs
-from flows.restarts import end_dead_attempts, is_deployment_run, leave
+from flows.restarts import AttemptAlive, end_dead_attempts, is_deployment_run, leave
 from flows.sweep_claims import verify_claims
 from flows.sweep_report import SweepReport, SweepResult, done_line
 from flows.train import TrainFlow, check_restart_cap
@@ -67,7 +67,8 @@ def sweep_flow(config: SweepConfig) -> SweepResult:
         refuse_storage_options_in_parameters()
         confine_locations(config.train)  # the ledger and the copies too: under the worker's roots, through no link
     try:
-        with preemption.handling(config.train.preemption_signals, hold=True):
+        # AttemptAlive: a deployment run's sign of life every 5 s, which the reconciler reads (deployments/recovery.py)
+        with preemption.handling(config.train.preemption_signals, hold=True), AttemptAlive():
             return Sweep(config, untrusted).run()
     except Preempted as stop:
         raise leave(stop) from None
