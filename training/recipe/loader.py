@@ -163,28 +163,35 @@ def load_recipe(config: TrainConfig, ctx: RunContext | None = None) -> Recipe:
 
 def open_dataset(recipe: Any) -> Any:
     """``recipe.train_dataset()``, its size recorded in ``recipe.ctx`` (for ``ctx.total_steps``)."""
-    dataset = recipe.train_dataset()
-    _check_addressable(recipe, dataset)
+    dataset = _check_addressable(recipe, recipe.train_dataset())
     if isinstance(recipe.ctx, RunContext):
         recipe.ctx.num_train_samples = len(dataset)
     return dataset
 
 
-def _check_addressable(recipe: Any, dataset: Any) -> None:
-    """The product owns the data position by sample id: a dataset it cannot address by id is refused in one line, never
-    trained on and restarted from its beginning after a resume."""
+def _check_addressable(recipe: Any, dataset: Any) -> Any:
+    """The product owns the data position by sample id, or a stateful stream's position by its state
+    (training/position/iterable.py): any other dataset is refused in one line, never trained on and restarted from its
+    beginning after a resume."""
     from torch.utils.data import IterableDataset
 
+    from training.position.iterable import StatefulIterable, is_stateful
+
     if not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        return
+        return dataset
     name = f"{type(recipe).__module__}.{type(recipe).__name__}"
     what = type(dataset).__name__
-    stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
-    why = (
-        "its state_dict() would resume it on the same world size and batch size only, and that is not supported yet"
-        if stateful
-        else "it has no len() and no state, so a resume would start its epoch over"
-    )
+    if is_stateful(dataset):
+        stream = StatefulIterable(dataset)
+        for option in ("max_duration", "save_interval"):
+            duration = getattr(recipe.ctx, option, None)
+            if not hasattr(dataset, "__len__") and getattr(duration, "unit", None) == "ep":
+                raise ConfigError(
+                    f"{option}={duration}: recipe {name}'s train_dataset() returned {what}, a stream without len(), "
+                    f"so it has no epochs; give {option} in samples or batches ('<n>sp', '<n>ba')"
+                )
+        return stream
+    why = "it has no len() and no state, so a resume would start its epoch over"
     raise ConfigError(
         f"recipe {name}: train_dataset() returned {what}, a stream the product cannot address by sample id ({why}); "
         f"return training.data.ShardedDataset(url, format) over its shards (tokens, jsonl or parquet), which resumes "

@@ -26,6 +26,7 @@ from checkpointing.names import checkpoint_name
 from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline
 from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
+from training.position.iterable import StatefulIterable
 from training.start.identity import run_identity
 from training.unit import rng
 from training.unit.session import SINGLE_PROCESS, UNIT_SO_FAR, Session, World, rng_file
@@ -75,7 +76,7 @@ class Checkpointer:
         it; ``metrics`` (the unit's) go into the manifest."""
         if self.config.parallelism == "fsdp":
             return self._save_shards(s, metrics)
-        s.rng_state = rng.capture()
+        s.rng_state = self._rank_state(s)
         rng_states = ranks.gather_to_rank0(s.rng_state)  # on rank 0; elsewhere empty, and only rank 0 snapshots
 
         def snapshot() -> dict[str, Any]:
@@ -85,6 +86,13 @@ class Checkpointer:
 
         self._hook(s)
         return self._commit(s.progress.as_dict(), snapshot, self.metadata(metrics, s))
+
+    def _rank_state(self, s: Session) -> dict[str, Any]:
+        """This rank's RNG state and, for a stateful stream, its position (training/position/iterable.py)."""
+        state = rng.capture()
+        if isinstance(s.dataset, StatefulIterable):
+            state["data"] = s.dataset.capture(self.world.size, self.config.global_batch_size, self.config.num_workers)
+        return state
 
     def snapshot(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """A snapshot inside a unit (``snapshot_interval``): into host memory now, to the store when the upload before
@@ -98,7 +106,7 @@ class Checkpointer:
         if self.sharded:
             return self._snapshot_shards(s, metrics)
         # Not kept as s.rng_state: that is the unit end's, which a warm next unit restores.
-        rng_states = ranks.gather_to_rank0(rng.capture())  # on rank 0; elsewhere empty
+        rng_states = ranks.gather_to_rank0(self._rank_state(s))  # on rank 0; elsewhere empty
         if self.snapshots is None:  # another rank than 0 (or snapshots fell back to the old way): nothing to copy
             return 0.0
         progress = s.progress.as_dict()

@@ -18,6 +18,7 @@ from checkpointing import CheckpointStore, LoadedCheckpoint
 from checkpointing.io.storage import RetrySettings
 from checkpointing.store import STATE_FILE
 from training.config import ConfigError, TrainConfig
+from training.position.iterable import StatefulIterable, check_options
 from training.position.progress import Progress, rescaled
 from training.recipe.context import RunContext
 from training.recipe.hooks import Hooks
@@ -123,6 +124,7 @@ def restore(config: TrainConfig, store: CheckpointStore, world: World = SINGLE_P
     recipe = load_recipe(config, ctx)
     hooks = Hooks.of(recipe)
     dataset = open_dataset(recipe)
+    check_options(dataset, config.num_workers, config.parallelism)
     rng.seed_all(config.seed)
     if config.parallelism == "fsdp":
         return _restore_sharded(config, store, world, recipe, dataset, ctx)
@@ -221,6 +223,7 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) ->
             f"new run from its weights: load_path={loaded.info.uri!r} load_weights_only=true load_strict=false"
         )
         _apply(session, loaded, fix)
+        _restore_stream(config, session, loaded)
         session.unit_so_far = unit_so_far(loaded.info.manifest.metadata.get(UNIT_SO_FAR))
         reposition(config, session)
         if in_memory is not None:
@@ -305,6 +308,14 @@ def _apply(session: Session, loaded: LoadedCheckpoint, fix: str, what: str = "")
     session.progress = Progress.from_dict(loaded.info.progress)
     session.data_skip_applied = loaded.info.manifest.metadata.get("data_skip_applied")
     _restore_rng(session, loaded.objects.get(rng_file(session.world.rank)), loaded.info)
+
+
+def _restore_stream(config: TrainConfig, session: Session, loaded: LoadedCheckpoint) -> None:
+    """A stateful stream's position: this rank's state, saved beside its RNG state (training/position/iterable.py)."""
+    if isinstance(session.dataset, StatefulIterable):
+        saved = (loaded.objects.get(rng_file(session.world.rank)) or {}).get("data")
+        size, gbs, workers = session.world.size, config.global_batch_size, config.num_workers
+        session.dataset.restore(saved, size, gbs, workers, f"checkpoint {loaded.info.name}")
 
 
 def _restore_rng(session: Session, state: dict[str, Any] | None, info: Any) -> None:

@@ -1,0 +1,82 @@
+"""A stateful IterableDataset (training/position/iterable.py): each rank's stream state is saved beside its RNG state in
+every checkpoint, restored at resume (bit-identical weights), and a resume at another topology is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpointing import CheckpointStore
+from checkpointing.store import STATE_FILE
+from training.config import ConfigError
+from training.recipe.loader import allow_recipe
+from training.unit.loop import run_unit
+from training.unit.warm import PROCESS
+
+COUNTING = "tests.stateful_iterable_recipes:CountingStreamRecipe"
+
+
+@pytest.fixture(autouse=True)
+def _allowed():
+    allow_recipe(COUNTING)
+    allow_recipe("tests.stateful_iterable_recipes:JsonStreamRecipe")
+
+
+def stream_config(make_config, **overrides):
+    values = dict(recipe=COUNTING, recipe_args={}, max_duration="12ba", save_interval="4ba", global_batch_size=8)
+    return make_config(**{**values, **overrides})
+
+
+def train_all(config, cold: bool = True) -> None:
+    """Every unit, each resumed from the store as in a new process (without start_checkpoint no warm state is used)."""
+    PROCESS.forget()
+    while not run_unit(config).complete:
+        PROCESS.forget()
+    PROCESS.forget()
+
+
+def latest(config):
+    store = CheckpointStore(config.save_folder, config.run_name)
+    return store.load(store.latest().name, files=[STATE_FILE, "rng-rank0.pt"])
+
+
+def assert_same_weights(a, b) -> None:
+    wa, wb = (x.objects[STATE_FILE]["state"]["model"] for x in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_stateful_stream_resumed_after_each_unit_trains_what_an_uninterrupted_run_trains(make_config, train_run):
+    warm = stream_config(make_config, run_name="warm")
+    cold = stream_config(make_config, run_name="cold")
+    PROCESS.forget()
+    assert [u.origin for u in train_run(warm).units] == ["fresh", "memory", "memory"]  # one process, uninterrupted
+    train_all(cold, cold=True)
+    a, b = latest(warm), latest(cold)
+    assert_same_weights(a, b)
+    saved = b.objects["rng-rank0.pt"]["data"]  # the stream's position, beside the rank's RNG state
+    assert saved == {"state": {"count": 96}, "world_size": 1, "global_batch_size": 8, "num_workers": 0}
+    assert b.info.progress["samples_seen"] == 96
+
+
+def test_a_changed_global_batch_size_is_refused_in_one_line_and_nothing_is_written(make_config):
+    config = stream_config(make_config, max_duration="4ba")
+    train_all(config, cold=True)
+    before = CheckpointStore(config.save_folder, config.run_name).latest().name
+    changed = stream_config(make_config, global_batch_size=16)
+    with pytest.raises(ConfigError) as caught:
+        train_all(changed, cold=True)
+    message = str(caught.value)
+    assert "\n" not in message and "global_batch_size=8 -> 16" in message and "ShardedDataset" in message
+    assert CheckpointStore(config.save_folder, config.run_name).latest().name == before
+
+
+def test_loader_workers_are_refused_for_a_stateful_stream(make_config):
+    with pytest.raises(ConfigError, match=r"^num_workers=2: a stateful CountingStream .*ShardedDataset") as caught:
+        train_all(stream_config(make_config, num_workers=2), cold=True)
+    assert "\n" not in str(caught.value)
+    assert CheckpointStore(make_config().save_folder, "r").latest() is None
+
+
+def test_a_stream_without_len_has_no_epochs(make_config):
+    with pytest.raises(ConfigError, match=r"^max_duration=2ep: .*CountingStream, a stream without len\(\)"):
+        train_all(stream_config(make_config, max_duration="2ep"), cold=True)
