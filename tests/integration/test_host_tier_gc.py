@@ -148,7 +148,8 @@ def test_a_bit_set_in_the_newest_tier_record_is_not_used_and_the_relaunch_ends_e
     records = [(json.loads(p.read_text()), p) for p in user_folder(tier).glob("*/r0-s*.json")]
     newest, path = max(records, key=lambda r: r[0]["seq"])
     seen = newest["progress"]["samples_seen"]
-    flipped = seen | 1 << seen.bit_length()  # one bit set, still valid JSON (2048 -> 3072 in the issue): samples skipped
+    # one bit set, still valid JSON (2048 -> 3072 in the issue): believed, it would skip samples
+    flipped = seen | 1 << seen.bit_length()
     path.write_text(path.read_text().replace(f'"samples_seen": {seen}', f'"samples_seen": {flipped}'))
 
     relaunched = lifecycle(["--run_name", "k", *flags(tmp_path / "runs", "384sp")], tier, tmp_path / "relaunch.log")
