@@ -135,11 +135,11 @@ def refuse_storage_options_from_parameters() -> None:
 
 
 def check_restart_cap(max_restarts: int) -> None:
-    """Ends the flow run Failed once it has been restarted (rescheduled after a crash) ``max_restarts`` times."""
+    """Ends the flow run Failed once it has run again (after a crash or a preemption) ``max_restarts`` times."""
     restarts = restart_count()
     if restarts > max_restarts:
         raise RestartLimitError(
-            f"flow run {flow_run.id} was restarted {restarts} times after crashes, more than "
+            f"flow run {flow_run.id} was restarted {restarts} times (crashes and preemptions), more than "
             f"max_restarts={max_restarts}; ending Failed instead of resuming again. Look at "
             f"why it keeps dying, then start a new run (it resumes from the last checkpoint)."
         )

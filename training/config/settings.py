@@ -202,7 +202,7 @@ class TrainConfig(BaseSettings):
         3,
         ge=0,
         le=1000,
-        description="Restarts of a crashed flow run (rescheduled by the deployment's automation) after which "
+        description="Restarts of a deployment's flow run (after a crash or a preemption) after which "
         "the run ends Failed instead of resuming again.",
     )
     retry_delay_seconds: Annotated[float, finite("retry_delay_seconds", 0, 3600)] = Field(
