@@ -3,6 +3,7 @@ temporary server's "still starting" line, whose seconds move, and the loader wor
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -68,3 +69,16 @@ def snapshot(folder: str) -> dict[str, tuple[int, int]]:
             found[os.path.join(root, name)] = (st.st_size, st.st_mtime_ns)
     return found
 
+
+def test_loader_workers_start_is_one_line_with_its_seconds(make_config, train_run, caplog):
+    """num_workers > 0: the first unit pays the workers' start, and one line says how long it took; the workers
+    live across units, so a second unit says nothing more. Without workers, nothing is said."""
+    caplog.set_level(logging.INFO, logger="training")
+    train_run(make_config(max_duration="2ep", num_workers=1))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loader workers started")]
+    assert len(lines) == 1, lines
+    seconds = float(re.fullmatch(r"loader workers started \(num_workers=1\) in ([\d.]+) s, .*", lines[0]).group(1))
+    assert seconds > 0
+    caplog.clear()
+    train_run(make_config(run_name="no-workers", max_duration="1ep"))
+    assert not [r for r in caplog.records if r.getMessage().startswith("loader workers started")]
