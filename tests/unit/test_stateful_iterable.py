@@ -80,3 +80,28 @@ def test_loader_workers_are_refused_for_a_stateful_stream(make_config):
 def test_a_stream_without_len_has_no_epochs(make_config):
     with pytest.raises(ConfigError, match=r"^max_duration=2ep: .*CountingStream, a stream without len\(\)"):
         train_all(stream_config(make_config, max_duration="2ep"), cold=True)
+
+
+def test_a_hugging_face_streaming_dataset_over_local_jsonl_resumes_exactly(make_config, train_run, tmp_path):
+    pytest.importorskip("datasets")
+    import json
+
+    g = torch.Generator().manual_seed(3)
+    files = []
+    for f in range(3):  # 3 files of 40 rows: 120 rows, a run of 10 steps of 8 crosses file boundaries
+        path = tmp_path / f"part-{f}.jsonl"
+        x = torch.randn(40, 16, generator=g)
+        rows = [{"x": row.tolist(), "y": int(row[:4].argmax())} for row in x]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files.append(str(path))
+    recipe = "tests.stateful_iterable_recipes:JsonStreamRecipe"
+    args = {"data_files": files}
+    warm = stream_config(make_config, run_name="warm", recipe=recipe, recipe_args=args, max_duration="10ba")
+    cold = stream_config(make_config, run_name="cold", recipe=recipe, recipe_args=args, max_duration="10ba")
+    PROCESS.forget()
+    train_run(warm)
+    train_all(cold)
+    a, b = latest(warm), latest(cold)
+    assert_same_weights(a, b)
+    saved = b.objects["rng-rank0.pt"]["data"]["state"]  # Hugging Face's own state: 80 rows read
+    assert saved["examples_iterable"]["previous_state_example_idx"] == 80 == b.info.progress["samples_seen"]
