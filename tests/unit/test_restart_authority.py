@@ -147,3 +147,32 @@ def test_two_reconcilers_at_once_restart_a_crash_once(api):
     assert sorted(results) == [False, True]
     names = [s.name for s in client.read_flow_run_states(run.id)]
     assert names.count("AwaitingRestart") == 1, names
+
+
+@pytest.mark.slow
+def test_a_deployment_run_fenced_out_by_another_run_of_its_name_ends_cancelled_superseded(api, monkeypatch):
+    """Issue 44, item 6: the run fenced out used to end Crashed, which the restart automation rescheduled, and it took
+    the run back (a ping-pong). It ends once, Cancelled ``Superseded``, which the reconciler never restarts."""
+    from prefect import flow
+    from prefect.runtime import flow_run
+
+    from flows import restarts
+    from training.preemption import Preempted, Stop
+
+    monkeypatch.setattr(restarts, "is_deployment_run", lambda: True)
+    seen = {}
+
+    @flow(name="fenced-out")
+    def fenced_out():
+        seen["id"] = flow_run.id
+        by = {"owner": "another-flow-run-of-this-name"}
+        raise restarts.leave(Preempted(Stop("handover", "another run took it over", 0.0, by), "ep1-ba8-sa256", 8, None))
+
+    with pytest.raises((Preempted, restarts.StoppedRun)):  # a bare flow: TrainFlow would hand the caller the stop
+        fenced_out()
+
+    client, _ = api
+    states = sorted(client.read_flow_run_states(uuid.UUID(seen["id"])), key=lambda state: state.timestamp)
+    assert (states[-1].type, states[-1].name) == (StateType.CANCELLED, "Superseded"), states[-1]
+    assert not any(state.type == StateType.CRASHED for state in states)
+    assert not decide(states, LATER.replace(year=2100), alive_since_crash=False, settle=SETTLE).restart
