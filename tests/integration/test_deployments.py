@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -390,3 +391,33 @@ def test_a_deployment_runs_data_lies_under_the_roots_and_its_endpoint_is_the_wor
         assert not (tmp_path / "runs").exists()  # refused before anything was claimed
     finally:
         listener.close()
+
+
+def test_a_run_outside_a_deployment_whose_heartbeats_stop_is_never_marked_crashed(prefect_stack):
+    """Issue 44, item 3: every `python -m flows.sweep` flow run longer than the heartbeat window against a stack's
+    server was marked `Crashed: no heartbeat` while alive. The heartbeat rule (and the reconciler) watch deployment
+    runs only: a flow run of the sweep flow started from the CLI that sent a heartbeat and then none for twice the
+    window stays Running. (With the rule matched on the training *flows*, as before, it is Crashed within the window.)"""
+    from uuid import uuid4
+
+    from prefect.states import Running
+
+    from flows.sweep import sweep
+
+    with client(prefect_stack) as c:
+        run = c.create_flow_run(sweep, name="cli-sweep", parameters={})  # the flow a CLI sweep runs, no deployment
+        c.set_flow_run_state(run.id, Running(), force=True)
+        beat = {
+            "id": str(uuid4()),
+            "occurred": datetime.now(UTC).isoformat(),
+            "event": "prefect.flow-run.heartbeat",
+            "resource": {"prefect.resource.id": f"prefect.flow-run.{run.id}"},
+            "related": [{"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow"}],
+        }
+        c.request("POST", "/events", json=[beat]).raise_for_status()
+
+        deadline = datetime.now(UTC) + timedelta(seconds=2 * HEARTBEAT_WITHIN_SECONDS)
+        while datetime.now(UTC) < deadline:
+            state = c.read_flow_run(run.id).state
+            assert state.type == StateType.RUNNING, f"{state.type.value}: {state.message}"
+            time.sleep(2)
