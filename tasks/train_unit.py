@@ -23,8 +23,7 @@ from prefect.tasks import exponential_backoff
 from tasks import stopped_log
 from tasks.nodes import node_launcher
 from training.config import TrainConfig
-from training.distributed.deaths import RankDied
-from training.exceptions import Permanent
+from training.exceptions import Permanent, RankDied
 from training.preemption import Preempted
 from training.run import execute_unit
 from training.unit.evaluation import evaluate_checkpoint
@@ -106,7 +105,7 @@ def _note_repeated_death(exc: Exception, task_run_id: Any, attempt: int) -> None
         return
     before = _deaths.get(task_run_id)
     _deaths[task_run_id] = exc.signature
-    if before == exc.signature:
+    if exc.signature is not None and before == exc.signature:
         rank, code, step = exc.signature
         get_run_logger().error(
             "the same crash again in attempt %d: rank %s died (exit %s) after step %s, as in the attempt before "
@@ -118,7 +117,7 @@ def _note_repeated_death(exc: Exception, task_run_id: Any, attempt: int) -> None
         )
 
 
-_deaths: dict[Any, tuple] = {}  # each task run's last rank death: (rank, exit, step)
+_deaths: dict[Any, tuple | None] = {}  # each task run's last rank death: (rank, exit, step)
 
 # Why a task run's last attempt failed, for its retry's report. Prefect retries a task in the same process;
 # its own record of the failed state reaches the API asynchronously (events), too late to read here.

@@ -61,6 +61,16 @@ class DistributedUnitError(RuntimeError):
     fresh gang that resumes from the last checkpoint."""
 
 
+class RankDied(DistributedUnitError):
+    """A rank of the gang died (killed by a signal, or gone without a word): a crash of that rank, retried like any
+    crash; the other ranks' stop was torchrun's cleanup (training/distributed/deaths.py). ``signature``: (rank, exit
+    code, step), what identifies it when it repeats."""
+
+    def __init__(self, message: str, signature: tuple[int, int | None, int | None] | None = None):
+        super().__init__(message)
+        self.signature = signature
+
+
 class NodeFailed(RuntimeError):
     """This node's torchrun ended with an error (a rank failed, or node 0 went away)."""
 

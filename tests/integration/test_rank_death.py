@@ -11,10 +11,12 @@ once its retries are spent; a SIGTERM to the launcher itself is still a preempti
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,8 +25,9 @@ import torch
 
 from tests.conftest import ROOT
 from tests.integration.test_own_loop_ranks import EPOCHS, final_state
-from tests.procs import wait_until
-from training.preemption import EXIT_CODE
+from tests.procs import environ, ranks_of, wait_until
+from training.exceptions import RankDied
+from training.preemption import EXIT_CODE, Preempted
 
 pytestmark = pytest.mark.slow
 NOISE = "tests.own_loop_recipes:RankNoiseRecipe"
@@ -90,3 +93,68 @@ def test_a_sigterm_to_the_launcher_is_still_a_preemption(tmp_path, env):
     assert code == EXIT_CODE, log[-4000:]
     assert "Flow run 'term' - Finished in state Preempted" in log, log[-4000:]
     assert not DIES.search(log) and "RankDied" not in log, log[-4000:]
+
+
+def ddp_config(folder: Path):
+    from training.config import TrainConfig
+
+    return TrainConfig(
+        run_name="d", save_folder=str(folder), recipe="recipes.synthetic:SyntheticRecipe", nproc_per_node=2,
+        recipe_args={"num_samples": 4000, "hidden": 256}, max_duration="2ep", save_interval="1ep",
+        global_batch_size=16, seed=7, unit_retries=0,
+    )  # fmt: skip
+
+
+def rank_pid(rank: int) -> int | None:
+    for pid in ranks_of(os.getpid()):
+        if f"RANK={rank}".encode() in environ(pid).split(b"\0"):
+            return pid
+    return None
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    from tests.lifecycle import train_to_end
+
+    config = ddp_config(tmp_path_factory.mktemp("ddp-ref"))
+    train_to_end(config)
+    return ddp_state(config)
+
+
+def ddp_state(config) -> dict[str, torch.Tensor]:
+    from checkpointing import CheckpointStore
+
+    store = CheckpointStore(config.save_folder, config.run_name)
+    return store.load(store.latest(), files=["state.pt"]).objects["state.pt"]["state"]["model"]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_ddp_rank_killed_mid_unit_is_a_crash_of_that_rank(tmp_path, train_run, ddp_reference, victim):
+    config = ddp_config(tmp_path)
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(error=_raised(train_run, config)))
+    runner.start()
+    pointer = tmp_path / "d" / "latest"
+    deadline = time.monotonic() + 120
+    while not pointer.exists() or rank_pid(victim) is None:  # unit 0 committed; unit 1 trains
+        assert time.monotonic() < deadline and runner.is_alive(), "unit 0 never committed"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    os.kill(rank_pid(victim), signal.SIGKILL)
+    runner.join(timeout=120)
+    error = outcome["error"]
+    assert isinstance(error, RankDied) and not isinstance(error, Preempted), repr(error)
+    assert str(error).startswith(f"rank {victim} died (SIGKILL, exit -9)"), str(error)
+    assert ranks_of(os.getpid()) == []
+
+    train_run(config)  # the retry: resumes from unit 0's checkpoint
+    model = ddp_state(config)
+    assert all(torch.equal(model[k], ddp_reference[k]) for k in ddp_reference)
+
+
+def _raised(train_run, config) -> BaseException | None:
+    try:
+        train_run(config)
+    except BaseException as exc:
+        return exc
+    return None

@@ -23,29 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.distributed.errors import error_from_record
-from training.exceptions import DistributedUnitError
+from training.exceptions import DistributedUnitError, RankDied
 from training.preemption import Preempted
 
 _ROOT = "Root Cause (first observed failure):"
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: (\d+)\)")
 _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 MAX_LINES = 400  # torchrun's last lines kept (its failure record is printed last)
-
-
-class RankDied(DistributedUnitError):
-    """A rank of the gang died (killed by a signal, or gone without a word): a crash of that rank, retried like any
-    crash; the other ranks' stop was torchrun's cleanup."""
-
-    def __init__(self, death: Death, step: int | None):
-        self.death, self.step = death, step
-        super().__init__(f"{death.describe()}{f' after step {step}' if step is not None else ''}; torchrun stopped the "
-                         f"other ranks (their SIGTERM is part of this crash, not a preemption); a retry resumes from "
-                         f"the last checkpoint")  # fmt: skip
-
-    @property
-    def signature(self) -> tuple[int, int | None, int | None]:
-        """What identifies this crash when it repeats: the rank, its exit, the step."""
-        return self.death.rank, self.death.exitcode, self.step
 
 
 @dataclass(frozen=True)
@@ -65,6 +49,15 @@ class Death:
                 name = f"signal {-self.exitcode}"
             return f"rank {self.rank} died ({name}, exit {self.exitcode})"
         return f"rank {self.rank} died (exit {self.exitcode}, no error recorded)"
+
+
+def rank_died(death: Death, step: int | None) -> RankDied:
+    """The error of an attempt whose rank died: one line naming the rank, its exit and the last step reported."""
+    return RankDied(
+        f"{death.describe()}{f' after step {step}' if step is not None else ''}; torchrun stopped the other ranks "
+        f"(their SIGTERM is part of this crash, not a preemption); a retry resumes from the last checkpoint",
+        (death.rank, death.exitcode, step),
+    )
 
 
 def root_failure(lines: Iterable[str]) -> Death | None:
@@ -119,7 +112,7 @@ def verdict(
         death = dead_rank(lines, records, world, exited)
         if death is not None:
             steps = [e.step for e in errors if isinstance(e, Preempted)]
-            return RankDied(death, max(steps) if steps else None)
+            return rank_died(death, max(steps) if steps else None)
         real = [e for e in errors if not isinstance(e, Preempted)]
         if real:  # a rank's own error; the others' stop was torchrun's cleanup
             return real[0]

@@ -12,6 +12,9 @@ of a loop of its own (``on_report``), or an error. Any failure ends the gang: a 
 raised to the gang's folder and exits, torchrun stops the others, and the parent raises that error — typed
 (a ``ConfigError``, an ``UnsafeCheckpointError`` naming its file, ``Preempted``...), so that what must not be retried
 is not — or ``DistributedUnitError`` (retried: the retry starts a fresh gang that resumes from the last checkpoint).
+What ended the gang is decided here, once torchrun has exited, from its failure record and the ranks' records
+(training/distributed/deaths.py): a rank that died is a ``RankDied``, and the other ranks' stop (torchrun's cleanup
+SIGTERM) is part of it, not a preemption.
 Nothing outlives the parent: torchrun dies with it (``PR_SET_PDEATHSIG``), and so does each rank with torchrun.
 
 A stop request of the parent (a termination signal, a newer attempt taking over) is forwarded to rank 0; the ranks
@@ -49,7 +52,6 @@ from training.config import ConfigError, TrainConfig
 from training.config.machines import node_secret
 from training.distributed import nodes
 from training.distributed.deaths import MAX_LINES, verdict
-from training.distributed.errors import error_from_record
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.distributed.processes import kill_group
 from training.exceptions import DistributedUnitError
@@ -183,12 +185,8 @@ class Gang:
                     on_report(UnitResult.model_validate(message["report"]))
             elif "result" in message:
                 return UnitResult.model_validate(message["result"])
-            elif "error" in message:
-                error = error_from_record(message["error"])
-                if isinstance(error, preemption.Preempted) and preemption.STOP.current is None:
-                    raise self._failure("a rank stopped without a stop request of this process")  # a peer died?
-                self.close()
-                raise error
+            elif "error" in message:  # rank 0's view (also in its record): what ended the gang is decided here
+                raise self._failure("rank 0 reported an error")
 
     def _next_message(self) -> dict[str, Any]:
         assert self._conn is not None
