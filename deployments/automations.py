@@ -47,6 +47,7 @@ MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency
 ALIVE_OR_DONE = {
     "prefect.flow-run.heartbeat",
     "prefect.flow-run.Preempted",
+    "prefect.flow-run.AwaitingRestart",  # the reconciler restarted it: it waits for a worker, without heartbeats
     "prefect.flow-run.Completed",
     "prefect.flow-run.Failed",
     "prefect.flow-run.Cancelled",
