@@ -27,8 +27,8 @@ from training.exceptions import DistributedUnitError, RankDied
 from training.preemption import Preempted
 
 _ROOT = "Root Cause (first observed failure):"
-_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank: (\d+)\)")
-_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_RANK = re.compile(r"\brank\s*: (\d+) \(local_rank: (\d+)\)")  # found anywhere in a line: a log prefix may precede it
+_EXIT = re.compile(r"\bexitcode\s*: (-?\d+) \(pid: ")
 MAX_LINES = 400  # torchrun's last lines kept (its failure record is printed last)
 
 
@@ -67,9 +67,9 @@ def root_failure(lines: Iterable[str]) -> Death | None:
     for line in lines:
         if _ROOT in line:
             in_root, rank = True, None
-        elif in_root and (m := _RANK.match(line)):
+        elif in_root and (m := _RANK.search(line)):
             rank = int(m.group(1))
-        elif in_root and rank is not None and (m := _EXIT.match(line)):
+        elif in_root and rank is not None and (m := _EXIT.search(line)):
             return Death(rank, int(m.group(1)))
     return None
 
