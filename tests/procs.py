@@ -67,10 +67,13 @@ def ranks_of(pid: int) -> list[int]:
 
 
 def wait_until(predicate, proc, what: str, timeout: float = 180, poll: float = 0.05) -> None:
-    """Polls ``predicate`` until it holds; fails if ``proc`` ended or ``timeout`` seconds passed first."""
+    """Polls ``predicate`` until it holds; fails if ``proc`` ended or ``timeout`` seconds (scaled by the load:
+    tests/deadlines.py) passed first."""
     import time
 
-    deadline = time.monotonic() + timeout
+    from tests.deadlines import deadline
+
+    end = deadline(timeout)
     while not predicate():
-        assert proc.poll() is None and time.monotonic() < deadline, f"never saw {what}"
+        assert proc.poll() is None and time.monotonic() < end, f"never saw {what} (TEST_TIME_SCALE scales the wait)"
         time.sleep(poll)
