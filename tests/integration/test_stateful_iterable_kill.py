@@ -1,0 +1,65 @@
+"""A run fed by a stateful IterableDataset (training/position/iterable.py), really SIGKILLed mid-unit while it snapshots
+every step, relaunched with the same command: the relaunch loads the stream's state saved beside its RNG state in the
+newest snapshot and ends with the weights of a run that was never killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing.export import model_weights
+from tests.conftest import HOST_TIER_DIR, ROOT, wait_until
+
+pytestmark = pytest.mark.slow
+RECIPE = "tests.stateful_iterable_recipes:CountingStreamRecipe"
+STEP = re.compile(r"unit \d+: step (\d+),")
+STARTED = re.compile(r"unit \d+ \(attempt \d+\): starting from (.+) at epoch \d+, step (\d+),")
+
+
+def command(folder: str) -> list[str]:
+    return [
+        sys.executable, "-m", "tests.run_lifecycle", "--run_name", "k", "--save_folder", folder,
+        "--recipe", RECIPE, "--recipe_args", json.dumps({"hidden": 1024, "num_layers": 3}),
+        "--max_duration", "40ba", "--save_interval", "10ba", "--snapshot_interval", "1ba",
+        "--global_batch_size", "32", "--seed", "7", "--log_every_n_steps", "1",
+    ]  # fmt: skip
+
+
+def run(cmd: list[str], log: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR, "TRAIN_ALLOWED_RECIPES": RECIPE}
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    assert done.returncode == 0, log.read_text()[-4000:]
+    return log.read_text()
+
+
+def kill_mid_unit(cmd: list[str], log: Path) -> int:
+    """Starts ``cmd`` and SIGKILLs its process group once step 13 (inside the second unit) is done."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR, "TRAIN_ALLOWED_RECIPES": RECIPE}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: any(int(s) >= 13 for s in STEP.findall(log.read_text())), 300, "step 13", proc, every=0.005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    return max(int(s) for s in STEP.findall(log.read_text()))
+
+
+def test_a_stateful_stream_killed_mid_unit_resumes_from_its_snapshot_bit_identical(tmp_path):
+    reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+    run(command(reference), tmp_path / "reference.log")
+    finished = kill_mid_unit(command(killed), tmp_path / "killed.log")
+    text = run(command(killed), tmp_path / "relaunched.log")
+    started = STARTED.search(text)
+    assert started and 10 < int(started.group(2)) < 40 and finished < 40, (finished, text[-4000:])  # mid-unit
+    a, b = model_weights(f"{reference}/k", None)[0], model_weights(f"{killed}/k", None)[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
