@@ -48,7 +48,7 @@ demo: install-runtime
 #   make test-all-seeds  the seeded scenarios (marker `all_seeds`: a SIGKILL at a random moment, relaunch, bit-identical)
 #                     with every seed of their fixed sets; the other tiers run ONE seed per scenario, TEST_SEED or one
 #                     drawn per run and printed with the test (its id `[seed=N]`): `TEST_SEED=N` replays a failure.
-#                     Waits in the end-to-end tests scale with the load (TEST_TIME_SCALE sets it; tests/conftest.py)
+#                     Waits in the end-to-end tests scale with the load (TEST_TIME_SCALE sets it; tests/deadlines.py)
 # tests/integration/test_ui.py (make test-ui) needs headless Chromium: it runs `apt-get install -y chromium` itself
 # when it is missing (root, ~60 s) or skips saying why.
 # JOBS pytest processes (pytest-xdist), each taking whole files (a module's Prefect stack is started once): most
