@@ -105,3 +105,19 @@ def test_a_hugging_face_streaming_dataset_over_local_jsonl_resumes_exactly(make_
     assert_same_weights(a, b)
     saved = b.objects["rng-rank0.pt"]["data"]["state"]  # Hugging Face's own state: 80 rows read
     assert saved["examples_iterable"]["previous_state_example_idx"] == 80 == b.info.progress["samples_seen"]
+
+
+def test_a_changed_world_size_or_a_rank_without_state_is_refused_naming_sharded_dataset():
+    from tests.stateful_iterable_recipes import CountingStream
+    from training.position.iterable import StatefulIterable
+
+    stream = StatefulIterable(CountingStream(seed=1, rank=0, in_features=4, num_classes=2))
+    stream.__getitems__([0, 1, 2])
+    saved = stream.capture(world_size=2, global_batch_size=8, num_workers=0)  # as a 2-process run saved rank 0's
+    with pytest.raises(ConfigError, match=r"^world_size=2 -> 1: checkpoint c saved .*ShardedDataset"):
+        stream.restore(saved, 1, 8, 0, "checkpoint c")
+    with pytest.raises(ConfigError, match=r"^checkpoint c has no stream state for this rank \(world_size=3\).*Sharded"):
+        stream.restore(None, 3, 8, 0, "checkpoint c")  # the world grew: this rank saved nothing
+    fresh = StatefulIterable(CountingStream(seed=1, rank=0, in_features=4, num_classes=2))
+    fresh.restore(saved, 2, 8, 0, "checkpoint c")
+    assert torch.equal(fresh[0]["x"], stream[0]["x"])  # both go on at sample 3
