@@ -50,11 +50,13 @@ import importlib
 import importlib.metadata
 import inspect
 import os
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from training.config import ConfigError, TrainConfig
-from training.recipe.context import RunContext
 from training.recipe.hooks import REQUIRED, Hooks, missing_required
+
+if TYPE_CHECKING:  # imported where a recipe is loaded: it imports torch, which a refused launch never needs
+    from training.recipe.context import RunContext
 
 ENTRY_POINT_GROUP = "resumable_train.recipes"
 ALLOWED_ENV = "TRAIN_ALLOWED_RECIPES"
@@ -157,12 +159,16 @@ def load_recipe(config: TrainConfig, ctx: RunContext | None = None) -> Recipe:
         raise ConfigError(
             f"recipe_args={config.recipe_args!r}: {cls.__name__} rejected them ({type(exc).__name__}: {exc})"
         ) from exc
+    from training.recipe.context import RunContext  # torch: not for a launch its checks refuse (launch_checks.py)
+
     recipe.ctx = ctx or RunContext.of(config)
     return recipe
 
 
 def open_dataset(recipe: Any) -> Any:
     """``recipe.train_dataset()``, its size recorded in ``recipe.ctx`` (for ``ctx.total_steps``)."""
+    from training.recipe.context import RunContext
+
     dataset = _check_addressable(recipe, recipe.train_dataset())
     if isinstance(recipe.ctx, RunContext):
         recipe.ctx.num_train_samples = len(dataset)

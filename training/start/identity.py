@@ -92,7 +92,9 @@ def differences(config: TrainConfig, info: CheckpointInfo) -> list[str]:
             theirs = recorded.get(key) or {}
             theirs = theirs if isinstance(theirs, dict) else {}
             # an argument left out is the recipe's default: compare (and show) the values the runs really use
-            defaults = recipe_defaults(config) if recorded.get("recipe") == mine["recipe"] else {}
+            # (read only when they differ: the recipe's import costs torch's, ~2 s, for a refusal that needs none)
+            same_recipe = recorded.get("recipe") == mine["recipe"]
+            defaults = recipe_defaults(config) if same_recipe and theirs != value else {}
             for arg in sorted(set(theirs) | set(value)):
                 old, new = theirs.get(arg, defaults.get(arg)), value.get(arg, defaults.get(arg))
                 if old != new:
