@@ -92,3 +92,18 @@ def test_a_refused_relaunch_starts_no_server(tmp_path, make_config, train_run, f
     assert len(lines) == 1 and lines[0].startswith("error: ") and refusal in lines[0], done.stderr
     assert "temporary Prefect server" not in done.stderr
     assert not (tmp_path / "prefect").exists()  # no server created its database
+
+
+def test_a_sweep_of_a_recipe_not_allowed_starts_no_server(tmp_path):
+    env, log = command_env(tmp_path)
+    argv = ["--recipe", "no_such_recipe", "--max_duration", "1ep", "--save_folder", str(tmp_path / "runs"),
+            "--sweep_name", "lr", "--space", '{"recipe_args.lr": {"grid": [0.003, 0.03]}}',
+            "--metric", "eval_accuracy", "--mode", "max"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.sweep", *argv], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert spawned(log) == [], "the refused sweep spawned a process (a temporary Prefect server)"
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert done.stderr.startswith("error: recipe='no_such_recipe' is not allowed"), done.stderr
+    assert not (tmp_path / "runs").exists()
