@@ -23,6 +23,7 @@ finishing preemption into a crash. A person at a terminal is the exception: a se
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -146,6 +147,16 @@ def handling(names: list[str], hold: bool = False, interactive: bool = False) ->
         if not (hold and STOP.current is not None):
             for sig, old in previous.items():
                 signal.signal(sig, old)
+        else:
+            atexit.register(_ignore_while_exiting, list(previous))
+
+
+def _ignore_while_exiting(signals: list[signal.Signals]) -> None:
+    """At exit, after a stop: the interpreter's finalisation puts SIG_DFL back in place of every Python handler
+    (and runs none), so a further SIGTERM there would turn a clean exit into a death by signal. SIG_IGN survives it."""
+    for sig in signals:
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _reason(signum: int) -> str:

@@ -8,6 +8,8 @@ The same through real processes, a real worker and torchrun ranks is in tests/in
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,26 @@ def test_signals_after_the_first_are_ignored_and_stay_ignored_until_the_process_
 
     assert STOP.current is not None and STOP.current.reason == "preempted by SIGUSR2"
     assert STOP.ignored == ["SIGUSR2", "SIGUSR2"] and usr2_seen == []
+
+
+def test_a_signal_during_the_interpreters_own_exit_after_a_stop_is_no_death_by_signal(tmp_path):
+    """Python's finalisation puts SIG_DFL back in place of every Python handler: without SIG_IGN at exit, a SIGTERM
+    there ends a clean exit with 143, which a worker reports as a crash."""
+    script = tmp_path / "stops.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from training import preemption\n"
+        "class SlowToFinalise:\n"
+        "    def __del__(self):\n"
+        "        os.write(1, b'exiting\\n'); time.sleep(3)\n"
+        "held = SlowToFinalise()\n"
+        "with preemption.handling(['SIGTERM'], hold=True):\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=Path(__file__).parents[2])
+    assert proc.stdout is not None and proc.stdout.readline() == b"exiting\n"  # in the interpreter's finalisation
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
 
 
 def test_a_block_that_ends_without_a_stop_gives_the_signals_back(usr2_seen):
