@@ -3,7 +3,7 @@ checkpoint — is named, written, vouched for (files → manifest → ``latest``
 
 Training (its one caller, training/unit/checkpointer.py) hands over what to save (objects for ``torch.save``, or a
 sharded state dict for DCP) and the ``CommitTerms``: where it stands (``progress``), the manifest's metadata, its
-writer and the retention; only this package makes names (``CheckpointStore._name_for``) and manifests
+writer and the retention; only this package makes names (``CheckpointStore.name_for``) and manifests
 (``CheckpointStore._publish``).
 
 A commit is made now (streamed into the store while it is hashed: no serialized copy of the state in memory)
@@ -136,7 +136,7 @@ def request(
         objects = with_network_weights(objects)
     return CommitRequest(
         store=terms.store,
-        name=terms.store._name_for(terms.progress, terms.writer.generation),
+        name=terms.store.name_for(terms.progress, terms.writer.generation),
         progress=dict(terms.progress),
         metadata=terms.metadata,
         writer=terms.writer,
@@ -168,7 +168,7 @@ def commit_sharded(terms: CommitTerms, state_dict: dict[str, Any], files: dict[s
     from checkpointing import ranks, sharded
 
     store, progress, writer = terms.store, terms.progress, terms.writer
-    name = ranks.on_rank0(lambda: store._name_for(progress, writer.generation))
+    name = ranks.on_rank0(lambda: store.name_for(progress, writer.generation))
     info = sharded.save_state(
         store, name, state_dict, files=files, progress=progress, metadata=terms.metadata, writer=writer
     )
@@ -300,7 +300,7 @@ def _commit_and_prune(r: CommitRequest) -> CheckpointInfo:
     The whole commit runs under the store's retry policy: a transient fault mid-stream (a streamed file is one
     request, not retried by itself) tries the commit again until store_retry_max_seconds is spent; its first
     step removes what the failed try wrote. A full disk or a refused folder is one line naming the checkpoint."""
-    info = r.store.storage._call(f"upload of checkpoint {r.name}", lambda: _commit(r), key=f"{CHECKPOINTS}/{r.name}")
+    info = r.store.storage.retried(f"upload of checkpoint {r.name}", lambda: _commit(r), key=f"{CHECKPOINTS}/{r.name}")
     r.retention.apply(r.store)
     return info
 

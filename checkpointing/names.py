@@ -1,5 +1,5 @@
 """Checkpoint names: ``ep<epoch>-ba<step>-sa<samples seen>[-g<generation>]``, made from a checkpoint's progress and
-read back only as a hint of it (the manifest is what counts). ``CheckpointStore._name_for`` is the one place a name
+read back only as a hint of it (the manifest is what counts). ``CheckpointStore.name_for`` is the one place a name
 is given to a checkpoint."""
 
 from __future__ import annotations

@@ -417,7 +417,7 @@ class SnapshotPipeline:
             t = job.terms
             level = logging.DEBUG if t.metadata.get(INTERMEDIATE) else logging.INFO  # not a line a step
             if t.metadata.get(INTERMEDIATE):  # named here, not on the training thread (naming reads the store)
-                job.name = t.store._name_for(t.progress, t.writer.generation)
+                job.name = t.store.name_for(t.progress, t.writer.generation)
             # Retention counts unit checkpoints: snapshots inside a unit are deleted first, once superseded.
             request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, Retention(), {}, objects)
             log.log(level, "writing checkpoint %s to %s", job.name, redact_uri(t.store.uri))

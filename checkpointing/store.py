@@ -412,7 +412,7 @@ class CheckpointStore:
         pointer.write(self.storage, name, writer.generation, info.manifest_sha256)
         return info
 
-    def _name_for(self, progress: dict[str, int], generation: int) -> str:
+    def name_for(self, progress: dict[str, int], generation: int) -> str:
         """The name of a checkpoint at ``progress`` (``ep<epoch>-ba<step>-sa<samples>``), or that name with
         ``-g<generation>`` when an older writer's committed checkpoint holds it (after a roll-back or a fall-back,
         retraining reaches the same position; nothing is overwritten). The only place names are made."""

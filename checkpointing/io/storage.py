@@ -218,9 +218,9 @@ class Storage:
     def put(self, key: str, data: bytes) -> None:
         local = self.local
         if local is not None:
-            self._call(f"put {key}", lambda: local.write(key, data), missing_is_error=True)
+            self.retried(f"put {key}", lambda: local.write(key, data), missing_is_error=True)
         else:
-            self._call(f"put {key}", lambda: self.fs.pipe_file(self.path(key), data), missing_is_error=True)
+            self.retried(f"put {key}", lambda: self.fs.pipe_file(self.path(key), data), missing_is_error=True)
 
     def open_write(self, key: str, block_size: int | None = None) -> IO[bytes]:
         """A file handle to stream ``key`` into (not retried: the caller redoes the whole file). Locally, a
@@ -235,7 +235,7 @@ class Storage:
         Local files use O_EXCL; object stores a conditional put (S3: If-None-Match: *)."""
         local = self.local
         if local is not None:
-            return self._call(f"create {key}", lambda: local.create(key, data), missing_is_error=True)
+            return self.retried(f"create {key}", lambda: local.create(key, data), missing_is_error=True)
 
         def create_remote() -> bool:
             try:
@@ -244,15 +244,17 @@ class Storage:
                 return False
             return True
 
-        return self._call(f"create {key}", create_remote, missing_is_error=True)
+        return self.retried(f"create {key}", create_remote, missing_is_error=True)
 
     def copy(self, src: str, dst: str) -> None:
         """Copies object ``src`` to ``dst`` inside this store: on S3 a server-side CopyObject (no byte passes through
         this process); locally in chunks, never through a link."""
         local = self.local
         if local is not None:
-            return self._call(f"copy {src} to {dst}", lambda: local.copy(src, dst), missing_is_error=True)
-        self._call(f"copy {src} to {dst}", lambda: self.fs.copy(self.path(src), self.path(dst)), missing_is_error=True)
+            return self.retried(f"copy {src} to {dst}", lambda: local.copy(src, dst), missing_is_error=True)
+        self.retried(
+            f"copy {src} to {dst}", lambda: self.fs.copy(self.path(src), self.path(dst)), missing_is_error=True
+        )
 
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         """The object's bytes; with ``max_bytes``, no more than ``max_bytes + 1`` of them are read (a caller
@@ -261,9 +263,9 @@ class Storage:
         local = self.local
         if local is not None:
             chunk = _CHUNK if limit is None else min(_CHUNK, limit)  # a 1 GiB `latest` costs 4 KiB, not 16 MiB
-            return self._call(f"get {key}", lambda: _first_bytes(local.read(key, chunk), limit))
+            return self.retried(f"get {key}", lambda: _first_bytes(local.read(key, chunk), limit))
         if limit is None:
-            return self._call(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
+            return self.retried(f"get {key}", lambda: self.fs.cat_file(self.path(key)))
 
         def first_bytes() -> bytes:
             try:
@@ -273,7 +275,7 @@ class Storage:
                     return b""
                 raise
 
-        return self._call(f"get {key}", first_bytes)
+        return self.retried(f"get {key}", first_bytes)
 
     def get_hashed(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         """Reads an object once and its sha256: each chunk is hashed on a helper thread while the next
@@ -290,14 +292,14 @@ class Storage:
                     break
             return b"".join(chunks), digest.hexdigest()
 
-        return self._call(f"get {key}", read)
+        return self.retried(f"get {key}", read)
 
     def open_read(self, key: str) -> IO[bytes]:
         """A file handle to read ``key`` from (seekable; not retried: the caller redoes the whole read). Locally, never
         through a link."""
         if self.local is not None:
-            return self._call(f"open {key}", lambda: self.local.open_read(key))  # type: ignore[union-attr]
-        return self._call(f"open {key}", lambda: self.fs.open(self.path(key), "rb"))
+            return self.retried(f"open {key}", lambda: self.local.open_read(key))  # type: ignore[union-attr]
+        return self.retried(f"open {key}", lambda: self.fs.open(self.path(key), "rb"))
 
     def download(self, key: str, path: str, expected_size: int) -> int:
         """Copies ``key`` into the local file ``path`` (made, or truncated), retrying the whole copy on a transient
@@ -313,7 +315,7 @@ class Storage:
                         break
             return total
 
-        return self._call(f"read {key}", copy)
+        return self.retried(f"read {key}", copy)
 
     def _chunks(self, key: str) -> Iterator[bytes]:
         if self.local is not None:
@@ -327,14 +329,14 @@ class Storage:
         """True for a file or folder; a link or special file in a local folder is damage, not a file."""
         local = self.local
         if local is not None:
-            return self._call(f"exists {key}", lambda: local.kind(key) in ("file", "dir"))
-        return self._call(f"exists {key}", lambda: self.fs.exists(self.path(key)))
+            return self.retried(f"exists {key}", lambda: local.kind(key) in ("file", "dir"))
+        return self.retried(f"exists {key}", lambda: self.fs.exists(self.path(key)))
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """Sizes of every object under ``prefix``, keyed by path relative to it (NOT_A_FILE for a link)."""
         local = self.local
         if local is not None:
-            return self._call(f"list {prefix}", lambda: local.sizes(prefix))
+            return self.retried(f"list {prefix}", lambda: local.sizes(prefix))
         base = self.path(prefix).rstrip("/") + "/"
 
         def find() -> dict[str, int]:
@@ -346,13 +348,13 @@ class Storage:
                 if info.get("type", "file") == "file"
             }
 
-        return self._call(f"list {prefix}", find)
+        return self.retried(f"list {prefix}", find)
 
     def list_dirs(self, prefix: str) -> list[str]:
         """Names of the immediate sub-folders of ``prefix`` (empty when it does not exist)."""
         local = self.local
         if local is not None:
-            return self._call(f"list {prefix}", lambda: local.list_dirs(prefix))
+            return self.retried(f"list {prefix}", lambda: local.list_dirs(prefix))
         base = self.path(prefix).rstrip("/")
 
         def ls() -> list[str]:
@@ -365,12 +367,12 @@ class Storage:
                 return []
             return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
 
-        return self._call(f"list {prefix}", ls)
+        return self.retried(f"list {prefix}", ls)
 
     def delete(self, key: str, recursive: bool = False) -> None:
         local = self.local
         if local is not None:
-            return self._call(f"delete {key}", lambda: local.delete(key, recursive))
+            return self.retried(f"delete {key}", lambda: local.delete(key, recursive))
 
         def rm() -> None:
             try:
@@ -379,7 +381,7 @@ class Storage:
                 if no_such_bucket(exc):
                     raise
 
-        self._call(f"delete {key}", rm)
+        self.retried(f"delete {key}", rm)
 
     def require_bucket(self) -> None:
         """PermanentStorageError naming the bucket when the store says it does not exist (an object store that
@@ -400,7 +402,7 @@ class Storage:
         return bool(missing)
 
     # -- retry ---------------------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], T], missing_is_error: bool = False, key: str = "") -> T:
+    def retried(self, what: str, fn: Callable[[], T], missing_is_error: bool = False, key: str = "") -> T:
         """Runs ``fn`` with retries. FileNotFoundError passes through for reads (a missing object is an
         answer); for writes, and for reads from a bucket that does not exist, it is a permanent error (else
         a mistyped bucket would read as "no checkpoint yet" and a run would start over). ``key`` names where a

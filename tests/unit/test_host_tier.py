@@ -52,7 +52,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
 def take(pipeline: SnapshotPipeline, store: CheckpointStore, objects: dict, step: int, must_upload: bool = True):
     progress = {"epoch": 0, "step": step, "samples_seen": 32 * step, "sample_in_epoch": 32 * step}
     terms = CommitTerms(store, progress, Writer.current(0), {"metrics": {}})
-    return pipeline.take(objects, terms, store._name_for(progress, 0), must_upload=must_upload)
+    return pipeline.take(objects, terms, store.name_for(progress, 0), must_upload=must_upload)
 
 
 def test_a_snapshot_reaches_the_tier_and_the_store_whole_with_tied_tensors_saved_once(tmp_path):

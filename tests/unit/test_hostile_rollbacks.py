@@ -39,7 +39,7 @@ def test_a_roll_back_record_carries_its_own_checksum_and_what_it_set_aside(rolle
 def test_one_changed_digit_in_a_record_sets_nothing_aside_and_the_run_keeps_its_commits(backend, caplog):
     store = run_of(backend, epochs=4)
     store.roll_back(NAMES[1], Writer.current(2))
-    again = save(store, 3, 2, name=store._name_for(progress(3), 2))
+    again = save(store, 3, 2, name=store.name_for(progress(3), 2))
     store.storage.put(RECORD, store.storage.get(RECORD).replace(b'"generation": 2', b'"generation": 9'))
     with caplog.at_level(logging.WARNING):
         assert store.latest().name == again  # before checksums: set aside, and the run went back to NAMES[1]
@@ -72,7 +72,7 @@ def test_after_the_new_lineage_commits_a_damaged_record_still_leaves_it_first_an
     rolled_back, caplog
 ):
     store = rolled_back
-    newer = [save(store, epoch, 2, name=store._name_for(progress(epoch), 2)) for epoch in (3, 4)]
+    newer = [save(store, epoch, 2, name=store.name_for(progress(epoch), 2)) for epoch in (3, 4)]
     store.storage.put(RECORD, b"{}")
     with caplog.at_level(logging.WARNING):
         assert [i.name for i in store.candidates()][:2] == newer[::-1]  # generation 2 outranks generation 1

@@ -65,7 +65,7 @@ def test_a_roll_back_sets_later_checkpoints_aside_without_deleting_them(store):
 
 def test_checkpoints_written_after_a_roll_back_are_candidates_again(store):
     store.roll_back(NAMES[1], Writer.current(2))
-    again = save(store, 3, 2, 0.4, name=store._name_for(progress(3), 2))
+    again = save(store, 3, 2, 0.4, name=store.name_for(progress(3), 2))
 
     assert again == f"{NAMES[2]}-g2"  # the set-aside ep3 keeps its name
     assert store.latest().name == again
@@ -111,14 +111,14 @@ def test_resume_from_applies_once_and_again_after_a_roll_back_elsewhere(store):
     wanted = config(store, resume_from=NAMES[1])
     assert pending_roll_back(wanted, store) == NAMES[1]
     roll_back(store, NAMES[1], store.claim_generation())
-    save(store, 3, 2, 0.4, name=store._name_for(progress(3), 2))
+    save(store, 3, 2, 0.4, name=store.name_for(progress(3), 2))
 
     # a relaunch (or a crash-restarted flow run) with the same resume_from keeps what was trained since
     assert pending_roll_back(wanted, store) is None
     assert store.latest().name == f"{NAMES[2]}-g2"
     # a roll-back to another checkpoint in between (a later one: an earlier one sets this one aside) makes the
     # same resume_from apply again
-    save(store, 4, 2, 0.3, name=store._name_for(progress(4), 2))
+    save(store, 4, 2, 0.3, name=store.name_for(progress(4), 2))
     roll_back(store, f"{NAMES[2]}-g2", store.claim_generation())
     assert pending_roll_back(wanted, store) == NAMES[1]
     roll_back(store, NAMES[1], store.claim_generation())

@@ -40,7 +40,7 @@ def test_a_fault_longer_than_the_attempts_is_absorbed_while_the_budget_lasts(tmp
     storage = Storage(str(tmp_path), retry=RetrySettings(attempts=2, max_seconds=10, initial_wait=0.05, max_wait=0.2))
     calls, call = flaky_for(1.5)
     with caplog.at_level(logging.WARNING, logger="checkpointing.io.storage"):
-        assert storage._call("get x", call) == b"through"
+        assert storage.retried("get x", call) == b"through"
     assert len(calls) > 2 and calls[-1] - calls[0] >= 1.5
     waits = [float(r.getMessage().rsplit("retrying in ", 1)[1].rstrip("s")) for r in caplog.records]
     assert waits and max(waits) <= 0.2  # the back-off is capped: the call asks again soon after the fault ends
@@ -50,7 +50,7 @@ def test_a_call_gives_up_when_its_budget_is_spent_and_starts_no_attempt_after_it
     storage = Storage(str(tmp_path), retry=RetrySettings(attempts=2, max_seconds=1.0, initial_wait=0.3, max_wait=4))
     calls, call = flaky_for(3600)
     with pytest.raises(StorageError, match=r"get x at .* failed \(transient, retries exhausted\): TimeoutError"):
-        storage._call("get x", call)
+        storage.retried("get x", call)
     assert calls[-1] - calls[0] <= 1.0 + 0.2  # the wait before the last attempt was cut to the budget
     assert calls[-1] - calls[0] >= 1.0
 
@@ -59,7 +59,7 @@ def test_the_attempts_are_a_floor_when_the_budget_is_spent_at_once(tmp_path):
     storage = Storage(str(tmp_path), retry=RetrySettings(attempts=3, max_seconds=0, initial_wait=0.01))
     calls, call = flaky_for(3600)
     with pytest.raises(StorageError, match="retries exhausted"):
-        storage._call("get x", call)
+        storage.retried("get x", call)
     assert len(calls) == 3
 
 

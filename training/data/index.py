@@ -174,7 +174,7 @@ def _listed(storage: Storage) -> dict[str, tuple[int, str | None]]:
             if info.get("type", "file") == "file"
         }
 
-    return storage._call("list ", find)  # one retried call, as Storage.sizes makes it
+    return storage.retried("list ", find)  # one retried call, as Storage.sizes makes it
 
 
 def _etag(info: dict[str, Any]) -> str | None:
@@ -361,7 +361,7 @@ def fetch(storage: Storage, shard: Shard, path: str, index: str) -> int:
             return total, f"its sha256 is {digest.hexdigest()}"
         return total, None
 
-    total, problem = storage._call(f"read {shard.name}", copy)  # one retried call, as Storage.download makes it
+    total, problem = storage.retried(f"read {shard.name}", copy)  # one retried call, as Storage.download makes it
     if problem:
         raise _rewritten(storage.uri(shard.name), index, problem, shard)
     return total

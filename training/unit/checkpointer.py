@@ -241,7 +241,7 @@ class Checkpointer:
         terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
         # A snapshot inside a unit gets its store name when it is uploaded (naming reads the store); its record in host
         # memory keeps the plain one. A unit's must be known now: the unit reports it.
-        name = self.store._name_for(progress, self.writer.generation) if must_upload else checkpoint_name(progress)
+        name = self.store.name_for(progress, self.writer.generation) if must_upload else checkpoint_name(progress)
         if self._claim is None:
             self._claim = claim_of(self.store, self.writer.generation)
         return self.snapshots.take(
