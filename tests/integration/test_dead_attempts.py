@@ -1,6 +1,6 @@
 """A restarted attempt ends the task runs its flow run's dead attempts left unfinished, and only those.
 
-On the session's Prefect server, a flow run goes through what a SIGKILL and the restart automation do to it
+On the session's Prefect server, a flow run goes through what a SIGKILL and the reconciler's restart do to it
 (Running, Crashed, AwaitingRestart, Running again, run_count 2), with task runs in every state an attempt leaves and a
 subflow (as retrain's train): ``flows.restarts.end_dead_attempts`` must end the first attempt's Running and Pending task
 runs, the subflow its killed task run started and that subflow's task run Crashed "AttemptDied", and leave the finished

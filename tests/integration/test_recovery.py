@@ -98,7 +98,8 @@ def test_a_sweep_that_read_the_crash_before_another_restarted_it_does_not_restar
     assert _names(client, run_id).count("AwaitingRestart") == 1
 
 
-def test_a_recent_crash_is_left_to_the_automations(api):
+def test_a_crash_younger_than_its_grace_period_is_not_restarted_yet(api):
+    """Its attempt may still report (a worker's late exit code, a rank still leaving): the reconciler waits."""
     client, training, _ = api
     run_id = _run_in(client, training, Running(), Crashed())
 
@@ -131,7 +132,7 @@ def test_a_crashed_run_whose_attempt_is_still_alive_is_left_alone(api):
     assert client.read_flow_run(run_id).state.type == StateType.CRASHED
 
 
-def test_a_running_run_whose_heartbeats_stopped_is_marked_crashed_and_left_to_the_automations_first(api):
+def test_a_running_run_whose_heartbeats_stopped_is_marked_crashed_and_restarted_only_after_the_grace(api):
     client, training, _ = api
     run_id = _run_in(client, training, Running())
     _send_life(client, run_id, "prefect.flow-run.heartbeat")
@@ -141,7 +142,7 @@ def test_a_running_run_whose_heartbeats_stopped_is_marked_crashed_and_left_to_th
 
     state = client.read_flow_run(run_id).state
     assert state.type == StateType.CRASHED and "no heartbeat" in state.message
-    assert run_id not in restarted  # the restart automation reacts to this Crashed live; the sweep only later
+    assert run_id not in restarted  # a restart waits out the grace period from this Crashed, as after any other
 
 
 def test_silence_counts_from_the_sweepers_start_not_from_before_the_outage(api):

@@ -1,7 +1,7 @@
 """The run report as a person sees it: the Prefect UI of a real server, read by headless Chromium.
 
-A training deployment run (real server, process worker and restart automations: tests/integration/conftest.py)
-is looked at while it trains, then SIGKILLed mid-unit, restarted by the automation as the same flow run, and
+A training deployment run (real server, process worker with its reconciler: tests/integration/conftest.py)
+is looked at while it trains, then SIGKILLed mid-unit, restarted by the reconciler as the same flow run, and
 looked at again: its Artifacts tab must show one card per artifact, the progress card of the killed attempt
 being the one that moved on to "complete", and the curves and metrics pages must render. A second flow run
 hands the report hostile names, which must reach the page as text only.
