@@ -59,6 +59,19 @@ def test_launch_checks_refuse_a_recipe_not_allowed(make_config):
         check_launch(make_config(recipe="no_such_recipe"))
 
 
+def test_a_new_runs_load_path_that_names_nothing_is_refused_a_resuming_run_ignores_it(make_config, train_run, tmp_path):
+    """Before any server: a look at the path, no read. A run that resumes never reads load_path (its file may be gone)."""
+    from training.start.launch_checks import check_launch
+
+    gone = str(tmp_path / "gone.pt")
+    with pytest.raises(ConfigError, match=re.escape(f"load_path={gone!r}: no such file or folder")):
+        check_launch(make_config(max_duration="1ep", load_path=gone))
+    train_run(make_config(max_duration="1ep"))
+    check_launch(make_config(max_duration="2ep", load_path=gone))  # resumes: load_path is not looked at
+    with pytest.raises(ConfigError, match="no such file or folder"):  # starts over: it would start from load_path
+        check_launch(make_config(max_duration="1ep", autoresume=False, save_overwrite=True, load_path=gone))
+
+
 def snapshot(folder: str) -> dict[str, tuple[int, int]]:
     import os
 

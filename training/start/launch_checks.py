@@ -9,8 +9,11 @@ start-up (``training.run.Run.open``) calls the same functions again, where the c
 
 from __future__ import annotations
 
+import os
+
 from checkpointing import CheckpointInfo, CheckpointStore
-from training.config import TrainConfig
+from checkpointing.io.protocols import is_local_fs, open_url
+from training.config import ConfigError, TrainConfig
 from training.recipe.loader import allow_recipe, resolve_recipe
 from training.start.identity import check_same_run
 from training.start.overwrite import starts_over
@@ -40,4 +43,17 @@ def check_launch(config: TrainConfig) -> None:
     """Both, as a launch from the command line runs them before a Prefect server is started or an API called."""
     check_recipe_allowed(config)
     store = CheckpointStore(config.save_folder, config.run_name, storage_options=config.storage_options)
-    check_relaunch(config, store)
+    if check_relaunch(config, store) is None:  # a new run (or one starting over): it starts from load_path
+        check_load_path_exists(config)
+
+
+def check_load_path_exists(config: TrainConfig) -> None:
+    """ConfigError when a new run's ``load_path`` names nothing: a look at the path, no read (whether its weights fit
+    the model is checked once torch and the recipe are imported, while the server starts). A run that resumes
+    ignores load_path, so it is not looked at then."""
+    if not config.load_path:
+        return
+    uri = str(config.load_path)
+    fs, path = open_url(uri, config.storage_options)
+    if not (os.path.lexists(path) if is_local_fs(fs) else fs.exists(path)):
+        raise ConfigError(f"load_path={uri!r}: no such file or folder; fix the path, or leave load_path unset")
