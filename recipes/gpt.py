@@ -18,7 +18,7 @@ Streaming mode (``recipe_args={"data_url": "s3://bucket/tokens/", "vocab_size": 
 ``training.data.ShardedDataset``; sample ``k`` is the ``k``-th non-overlapping block of a shard (docs/data-position.md).
 ``data_options`` are the store's fsspec options (an endpoint; credentials come from the environment, never here); a
 deployment run refuses them and any ``data_url``/``val_url`` outside the worker's ``TRAIN_ALLOWED_ROOTS``: its data's
-options are the worker's ``TRAIN_DATA_STORAGE_OPTIONS`` (training/config/trust.py, training/data/shards.py).
+options are the worker's ``TRAIN_DATA_STORAGE_OPTIONS`` (training/config/trust.py, training/data/dataset.py).
 """
 
 from __future__ import annotations

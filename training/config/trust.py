@@ -43,7 +43,7 @@ from training.config import ConfigError, TrainConfig
 ROOTS_ENV = "TRAIN_ALLOWED_ROOTS"
 LOCATIONS = ("save_folder", "load_path", "export_on_complete")
 _LOCAL = ("file", "local")
-DATA_OPTIONS_ENV = "TRAIN_DATA_STORAGE_OPTIONS"  # the worker's storage options for data (training/data/shards.py)
+DATA_OPTIONS_ENV = "TRAIN_DATA_STORAGE_OPTIONS"  # the worker's storage options for data (training/data/dataset.py)
 STORAGE_OPTION_KEYS = ("data_options", "storage_options")  # recipe_args keys that would hold storage options
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(::[A-Za-z][A-Za-z0-9+.-]*)*://")
 

@@ -1,8 +1,10 @@
-"""What a shard format of another tool gives ``ShardedDataset``, and the reader's shape (the same as shards.py's own
-readers: built from the dataset, its index entry ``Shard`` and the shard as a local file; ``sample(k)``)."""
+"""What a shard format gives ``ShardedDataset`` (training/data/dataset.py), and the one reader shape every format's
+readers share: built from the dataset, the shard's index entry ``Shard`` and the shard as a local file; ``sample(k)``.
+Kept apart so that the formats and the dataset depend on it, and never on each other."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
@@ -41,11 +43,38 @@ class ShardReader:
             )
 
 
+def _nothing(ds: Any) -> None:
+    return None
+
+
+def _no_params(ds: Any) -> dict[str, Any]:
+    return {}
+
+
 @dataclass(frozen=True)
 class ShardFormat:
     extensions: tuple[str, ...]
-    prepare: Callable[[Any], Any]  # (dataset) -> what every shard's reader needs, read once (kept as ``ds.meta``)
     count: Callable[[Any, str, int], int]  # (dataset, shard name, bytes) -> samples, for an index being built
     reader: type[ShardReader]
+    # (dataset) -> what every shard's reader needs, read once (kept as ``ds.meta``); a missing dependency fails here
+    prepare: Callable[[Any], Any] = _nothing
     # (what ``prepare`` returned) -> the endings of this dataset's shards, where they narrow ``extensions``
     listed: Callable[[Any], tuple[str, ...]] | None = None
+    # (dataset) -> None: the format's own arguments checked, before any I/O (one ConfigError naming the bad one)
+    check: Callable[[Any], None] = _nothing
+    # (dataset) -> the arguments the index records: a folder indexed with others is refused, not misread
+    params: Callable[[Any], dict[str, Any]] = _no_params
+    # (dataset) -> (bytes -> the most samples a shard of that size holds); None: a byte a sample (training/data/index.py)
+    max_samples: Callable[[Any], Callable[[int], int]] | None = None
+
+
+def decode_image(data: bytes) -> Any:
+    """An image member or column: a PIL image when Pillow is installed, else its bytes (ValueError if PIL refuses)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return data
+    try:
+        return Image.open(io.BytesIO(data))
+    except Exception as exc:
+        raise ValueError(type(exc).__name__) from None

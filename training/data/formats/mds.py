@@ -21,7 +21,6 @@ runs code of the data's choosing. Compression: ``zstd`` (``pip install 'resumabl
 from __future__ import annotations
 
 import decimal
-import io
 import mmap
 from typing import IO, Any
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from checkpointing.errors import DamagedFileError
 from checkpointing.io.untrusted import parse_json
-from training.data.formats.base import ShardFormat, ShardReader
+from training.data.formats.base import ShardFormat, ShardReader, decode_image
 from training.data.index import MAX_SHARDS, Shard
 from training.exceptions import ConfigError, DataError
 
@@ -280,7 +279,7 @@ def _decode(encoding: str, data: bytes, limit: int) -> Any:
     if encoding == "json":
         return parse_json(data, limit)
     if encoding in _IMAGE_ENCODINGS:
-        return _image(data)
+        return decode_image(data)
     if encoding == "str_int":
         return int(data.decode("utf-8"))
     if encoding == "str_float":
@@ -304,17 +303,6 @@ def _ndarray(encoding: str, data: bytes) -> np.ndarray:
     if len(data) - at != int(np.prod(shape, dtype=object)) * itemsize:
         raise ValueError("array bytes differ from its shape")
     return np.frombuffer(data, dtype, offset=at).reshape(shape)
-
-
-def _image(data: bytes) -> Any:
-    try:
-        from PIL import Image
-    except ImportError:
-        return data
-    try:
-        return Image.open(io.BytesIO(data))
-    except Exception as exc:
-        raise ValueError(type(exc).__name__) from None
 
 
 MDS = ShardFormat(extensions=(".mds", ".mds.zstd"), prepare=prepare, count=count, reader=MDSReader, listed=listed)

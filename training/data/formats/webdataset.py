@@ -25,7 +25,7 @@ import numpy as np
 
 from checkpointing.errors import DamagedFileError
 from checkpointing.io.untrusted import parse_json
-from training.data.formats.base import ShardFormat, ShardReader
+from training.data.formats.base import ShardFormat, ShardReader, decode_image
 from training.data.index import Shard
 from training.exceptions import DataError
 
@@ -146,15 +146,8 @@ def decode(suffix: str, data: bytes, limit: int) -> Any:
     if ext == "npy":
         return np.load(io.BytesIO(data), allow_pickle=False)
     if ext in _IMAGES:
-        try:
-            from PIL import Image
-        except ImportError:
-            return data
-        try:
-            return Image.open(io.BytesIO(data))
-        except Exception as exc:
-            raise ValueError(type(exc).__name__) from None
+        return decode_image(data)
     return data
 
 
-WEBDATASET = ShardFormat(extensions=(".tar",), prepare=lambda ds: None, count=count, reader=TarReader)
+WEBDATASET = ShardFormat(extensions=(".tar",), count=count, reader=TarReader)
