@@ -13,12 +13,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
+from checkpointing import CheckpointStore
 from checkpointing.commit import PendingCommit
 from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
@@ -30,8 +32,9 @@ from training.preemption import Preempted, SaveBudget, Stop
 from training.unit import session as sessions
 from training.unit.checkpointer import Checkpointer
 from training.unit.evaluation import evaluate_model, to_device
+from training.unit.figures import AttemptFigures, UnitFigures
 from training.unit.metrics_log import MetricLog, metrics_for
-from training.unit.session import SINGLE_PROCESS, OriginKind, Session, World
+from training.unit.session import SINGLE_PROCESS, Origin, OriginKind, Session, World
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
@@ -80,49 +83,16 @@ def run_unit(
     (this process's state is reused only for that one); ``generation`` fences stale writers."""
     store = sessions.open_store(config)
     budget = BUDGETS.setdefault(store.uri, SaveBudget(config.preemption_grace_seconds))
-    session, origin = cache.take(config, store, start_checkpoint, world)
-    if world.size > 1 and not _everywhere(session is not None):
-        if session is not None:
-            cache.release(session)
-        session = origin = None
-    if session is None or origin is None:
-        cache.committer.wait_quietly()  # a cold resume must see what the previous unit committed
-        session, origin = sessions.restore(config, store, world)
+    session, origin = _start(config, store, start_checkpoint, world, cache)
     unit = unit_index(session.progress, config.interval)
-    p = session.progress
     if world.rank == 0:
-        logger.info(
-            "unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
-            unit,
-            attempt,
-            origin.text,
-            p.epoch,
-            p.step,
-            p.samples_seen,
-        )
+        _log_unit_start(unit, attempt, origin, session)
     log = metrics_for(config, store, world)  # TensorBoard, MLflow, the progress bar (rank 0)
     try:
-        log.start(p.step, _total_steps(session))
+        log.start(session.progress.step, _total_steps(session))
         checkpointer = Checkpointer(config, store, cache.committer, generation=generation, world=world)
-        metrics, steps, stop = _train(config, session, unit, attempt, checkpointer, log)
-        if stop is not None and steps == 0:
-            raise _preempted(stop, origin.checkpoint, session, None, cache)
-        if stop is not None and not budget.fits(stop):
-            raise _preempted(stop, origin.checkpoint, session, None, cache, budget.why_not(stop))
-        log.log(
-            p.step, {"unit/train_loss": metrics["train_loss"], "unit/samples_per_second": metrics["samples_per_second"]}
-        )
-        log.checkpoint(p.step)  # what was logged is on disk before the checkpoint that covers it exists
-        saved = checkpointer.save(session, metrics)
-        pending, stall = saved.pending, saved.seconds
-        metrics = {**metrics, "checkpoint_seconds": stall}
-        log.checkpoint(p.step, pending.name, pending.uri)
-        budget.observe(stall)  # and once an upload in the background is done, the whole commit: a stop waits for it
-        pending.when_committed(lambda seconds: budget.observe(max(seconds, stall)))
-        if stop is not None:
-            raise _preempted(stop, pending.name, session, stall, cache)
-        if is_complete(session.progress, config.duration):
-            checkpointer.finish()  # the run is done only when its last checkpoint is committed
+        trained = _train(config, session, unit, attempt, checkpointer, log)
+        pending, metrics = _commit(config, session, origin, checkpointer, log, budget, cache, trained)
         log.end(complete=is_complete(session.progress, config.duration))
     except BaseException as exc:
         log.end()
@@ -143,12 +113,61 @@ def run_unit(
         complete=is_complete(session.progress, config.duration),
         origin=origin.kind,
         resumed_from=origin.text,
-        steps=steps,
+        steps=trained[1],
         attempt=attempt,
         metrics=metrics,
         num_train_samples=len(session.dataset),
         world_size=world.size,
     )
+
+
+def _start(
+    config: TrainConfig, store: CheckpointStore, start_checkpoint: str | None, world: World, cache: SessionCache
+) -> tuple[Session, Origin]:
+    """The unit's state: this process's warm session when it is the one the flow expects (on every rank at once),
+    else the run's newest good checkpoint (a cold resume)."""
+    session, origin = cache.take(config, store, start_checkpoint, world)
+    if world.size > 1 and not _everywhere(session is not None):
+        if session is not None:
+            cache.release(session)
+        session = origin = None
+    if session is None or origin is None:
+        cache.committer.wait_quietly()  # a cold resume must see what the previous unit committed
+        session, origin = sessions.restore(config, store, world)
+    return session, origin
+
+
+def _commit(
+    config: TrainConfig,
+    s: Session,
+    origin: Origin,
+    checkpointer: Checkpointer,
+    log: MetricLog,
+    budget: SaveBudget,
+    cache: SessionCache,
+    trained: tuple[dict[str, float], int, Stop | None],
+) -> tuple[PendingCommit, dict[str, float]]:
+    """The unit's checkpoint, at its end or at the step where a stop was agreed (then ``Preempted`` is raised once it
+    is saved); a stop before any step, or one the grace budget cannot fit, raises without saving."""
+    (metrics, steps, stop), p = trained, s.progress
+    if stop is not None and steps == 0:
+        raise _preempted(stop, origin.checkpoint, s, None, cache)
+    if stop is not None and not budget.fits(stop):
+        raise _preempted(stop, origin.checkpoint, s, None, cache, budget.why_not(stop))
+    log.log(
+        p.step, {"unit/train_loss": metrics["train_loss"], "unit/samples_per_second": metrics["samples_per_second"]}
+    )
+    log.checkpoint(p.step)  # what was logged is on disk before the checkpoint that covers it exists
+    saved = checkpointer.save(s, metrics)
+    pending, stall = saved.pending, saved.seconds
+    log.checkpoint(p.step, pending.name, pending.uri)
+    budget.observe(stall)  # and once an upload in the background is done, the whole commit: a stop waits for it
+    pending.when_committed(lambda seconds: budget.observe(max(seconds, stall)))
+    if stop is not None:
+        raise _preempted(stop, pending.name, s, stall, cache)
+    if is_complete(p, config.duration):
+        checkpointer.finish()  # the run is done only when its last checkpoint is committed
+    return pending, {**metrics, "checkpoint_seconds": stall}
 
 
 def _preempted(
@@ -175,6 +194,19 @@ def _everywhere(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def _log_unit_start(unit: int, attempt: int, origin: Origin, s: Session) -> None:
+    p = s.progress
+    logger.info(
+        "unit %d (attempt %d): starting from %s at epoch %d, step %d, %d samples seen",
+        unit,
+        attempt,
+        origin.text,
+        p.epoch,
+        p.step,
+        p.samples_seen,
+    )
+
+
 def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[str, float]) -> None:
     p, how = s.progress, "committed in" if pending.committed else "handed to the upload after"
     logger.info(
@@ -194,6 +226,20 @@ def _log_unit_done(unit: int, s: Session, pending: PendingCommit, metrics: dict[
 
 
 # -- train ----------------------------------------------------------------------------------------
+@dataclass
+class _Training:
+    """What one ``_train`` call works with: the unit, where it saves and logs, and its running figures."""
+
+    config: TrainConfig
+    s: Session
+    unit: int
+    attempt: int
+    checkpointer: Checkpointer
+    log: MetricLog
+    figures: UnitFigures  # from the unit's start: a unit resumed inside it goes on from the figures it recorded
+    this_attempt: AttemptFigures
+
+
 def _train(
     config: TrainConfig, s: Session, unit: int, attempt: int, checkpointer: Checkpointer, log: MetricLog
 ) -> tuple[dict[str, float], int, Stop | None]:
@@ -201,92 +247,92 @@ def _train(
     snapshots of ``snapshot_interval`` on the way."""
     p, epoch_size = s.progress, len(s.dataset)
     s.model.train()
-    losses: list[float] = []
-    stalls: list[float] = []
-    # Running sums from the unit's start: a unit resumed from a checkpoint inside it (a snapshot, a stop) carries the
-    # figures of the steps before it (Session.unit_so_far), so it reports what an uninterrupted unit reports.
-    so_far, s.unit_so_far = s.unit_so_far or {}, None
-    loss_sum, loss_count = float(so_far.get("loss_sum", 0.0)), int(so_far.get("loss_count", 0))
-    norm_sum, norm_count = float(so_far.get("norm_sum", 0.0)), int(so_far.get("norm_count", 0))
-    unit_start, snapshots = int(so_far.get("unit_start_samples", p.samples_seen)), int(so_far.get("snapshots", 0))
-    evaluated: dict[str, float] = dict(so_far.get("evaluated") or {})
-    snapshot_every = config.snapshot_every
-    start_samples, t0 = p.samples_seen, time.perf_counter()
-
-    def figures() -> dict[str, Any]:
-        return {"loss_sum": loss_sum, "loss_count": loss_count, "norm_sum": norm_sum, "norm_count": norm_count,
-                "unit_start_samples": unit_start, "snapshots": snapshots, "evaluated": dict(evaluated)}  # fmt: skip
-
+    # A unit resumed from a checkpoint inside it (a snapshot, a stop) carries the figures of the steps before it
+    # (Session.figures), so it reports what an uninterrupted unit reports.
+    figures = s.figures or UnitFigures(unit_start_samples=p.samples_seen)
+    t = _Training(config, s, unit, attempt, checkpointer, log, figures, AttemptFigures(p.samples_seen))
+    s.figures = None
     stop = preemption.agreed_stop(s.world.size)  # asked during start-up: nothing trained, nothing to save
     while stop is None and not is_complete(p, config.duration):
-        sampler, loader = _loader(config, s, epoch_size)
-        unit_over, batches = False, iter(loader)
-        for micro, global_n in sampler.steps():
-            if s.ctx is not None:
-                s.ctx.samples_seen = p.samples_seen
-            if s.hooks.on_train_batch is not None:
-                s.hooks.on_train_batch([i for ids in micro for i in ids])  # every step, even an empty share
-            if s.hooks.train_step is not None:
-                losses.append(_own_step(s, s.hooks.train_step, next(batches), sum(map(len, micro)), global_n))
-            else:
-                losses.append(_step(s, micro, global_n, batches))
-            loss_sum, loss_count = loss_sum + losses[-1], loss_count + 1
-            if s.ctx is not None and s.ctx.last_grad_norm is not None:
-                norm_sum, norm_count = norm_sum + s.ctx.last_grad_norm, norm_count + 1
-            epoch_ended = p.advance(global_n, epoch_size)
-            rate = (p.samples_seen - start_samples) / max(time.perf_counter() - t0, 1e-9)
-            log.log(p.step, _step_metrics(s, losses[-1], rate if p.step % config.log_every_n_steps == 0 else None))
-            try:
-                if config.eval_every is not None and crossed(p, config.eval_every, epoch_ended, global_n):
-                    evaluated = _evaluate(config, s)
-                    log.log(p.step, {f"eval/{k[5:]}": v for k, v in evaluated.items() if k != "eval_step"})
-            except _StopAtStep as stopped:  # the evaluation was cut short; the step it followed stands
-                stop = stopped.stop
-                break
-            if p.step % config.log_every_n_steps == 0 and s.world.rank == 0:
-                logger.info(
-                    "unit %d: step %d, epoch %d, sample %d/%d, train_loss %.4f, %.0f samples/s",
-                    unit,
-                    p.step,
-                    p.epoch,
-                    p.sample_in_epoch or epoch_size,
-                    epoch_size,
-                    losses[-1],
-                    rate,
-                )
-            if ends_unit(p, config.interval, config.duration, epoch_ended, global_n):
-                unit_over = True
-            elif snapshot_every is not None and crossed(p, snapshot_every, epoch_ended, global_n):
-                log.checkpoint(p.step)  # a snapshot may be resumed from: what it covers is logged first
-                snapshots += 1
-                s.unit_so_far = figures()  # in the snapshot's manifest
-                stall = checkpointer.snapshot(s, {"train_loss": loss_sum / loss_count, **evaluated})
-                s.unit_so_far = None
-                stalls.extend([stall] if stall is not None else [])
-            if config.inject_fault_at_step == p.step and attempt == 1:
-                raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
-            if unit_over:
-                break
-            stop = preemption.agreed_stop(s.world.size)
-            if stop is not None:
-                break
+        unit_over, stop = _epoch(t, epoch_size)
         if unit_over:
             break
-    seconds = time.perf_counter() - t0
-    trained = p.samples_seen - start_samples  # by this attempt: its speed
     if stop is not None:  # the stop's checkpoint is inside the unit: its resumption goes on from these figures
-        s.unit_so_far = figures()
-    metrics = {
-        "train_loss": loss_sum / max(loss_count, 1),
-        "samples": float(p.samples_seen - unit_start),  # the whole unit's, a resumed one's too
-        "train_seconds": seconds,
-        "samples_per_second": trained / max(seconds, 1e-9),
-        **({"grad_norm": norm_sum / norm_count} if norm_count else {}),
-        **({"snapshots": float(snapshots)} if snapshots else {}),
-        **({"snapshot_seconds_max": max(stalls)} if stalls else {}),
-        **evaluated,
-    }
-    return metrics, len(losses), stop
+        s.figures = figures.copy()
+    return t.this_attempt.metrics(figures, p.samples_seen), t.this_attempt.steps, stop
+
+
+def _epoch(t: _Training, epoch_size: int) -> tuple[bool, Stop | None]:
+    """Steps to the end of the epoch, the end of the unit (True) or a stop agreed at a step boundary (returned)."""
+    s, p = t.s, t.s.progress
+    sampler, loader = _loader(t.config, s, epoch_size)
+    batches = iter(loader)
+    for micro, global_n in sampler.steps():
+        loss = _one_step(s, micro, global_n, batches)
+        t.figures.add_step(loss, s.ctx.last_grad_norm if s.ctx is not None else None)
+        t.this_attempt.step(loss)
+        epoch_ended = p.advance(global_n, epoch_size)
+        try:
+            unit_over = _after_step(t, epoch_ended, global_n, epoch_size)
+        except _StopAtStep as stopped:  # the evaluation was cut short; the step it followed stands
+            return False, stopped.stop
+        if unit_over:
+            return True, None
+        stop = preemption.agreed_stop(s.world.size)
+        if stop is not None:
+            return False, stop
+    return False, None
+
+
+def _one_step(s: Session, micro: list[list[int]], global_n: int, batches: Iterator[Any]) -> float:
+    """One step, the recipe's own ``train_step`` or ours; returns this process's loss."""
+    if s.ctx is not None:
+        s.ctx.samples_seen = s.progress.samples_seen
+    if s.hooks.on_train_batch is not None:
+        s.hooks.on_train_batch([i for ids in micro for i in ids])  # every step, even an empty share
+    if s.hooks.train_step is not None:
+        return _own_step(s, s.hooks.train_step, next(batches), sum(map(len, micro)), global_n)
+    return _step(s, micro, global_n, batches)
+
+
+def _after_step(t: _Training, epoch_ended: bool, global_n: int, epoch_size: int) -> bool:
+    """A step's scalars, an evaluation and a snapshot when due, a line every ``log_every_n_steps``, an injected fault;
+    True when the step ends the unit."""
+    config, s, p = t.config, t.s, t.s.progress
+    every_n, rate = p.step % config.log_every_n_steps == 0, t.this_attempt.rate(p.samples_seen)
+    t.log.log(p.step, _step_metrics(s, t.this_attempt.last_loss, rate if every_n else None))
+    if config.eval_every is not None and crossed(p, config.eval_every, epoch_ended, global_n):
+        t.figures.evaluated = _evaluate(config, s)
+        t.log.log(p.step, {f"eval/{k[5:]}": v for k, v in t.figures.evaluated.items() if k != "eval_step"})
+    if every_n and s.world.rank == 0:
+        logger.info(
+            "unit %d: step %d, epoch %d, sample %d/%d, train_loss %.4f, %.0f samples/s",
+            t.unit,
+            p.step,
+            p.epoch,
+            p.sample_in_epoch or epoch_size,
+            epoch_size,
+            t.this_attempt.last_loss,
+            rate,
+        )
+    unit_over = ends_unit(p, config.interval, config.duration, epoch_ended, global_n)
+    snapshot_every = config.snapshot_every
+    if not unit_over and snapshot_every is not None and crossed(p, snapshot_every, epoch_ended, global_n):
+        _snapshot(t)
+    if config.inject_fault_at_step == p.step and t.attempt == 1:
+        raise InjectedFault(f"injected fault after step {p.step} (inject_fault_at_step={p.step}, attempt 1)")
+    return unit_over
+
+
+def _snapshot(t: _Training) -> None:
+    """A snapshot inside the unit (``snapshot_interval``); its manifest records the unit's figures so far."""
+    t.log.checkpoint(t.s.progress.step)  # a snapshot may be resumed from: what it covers is logged first
+    t.figures.snapshots += 1
+    t.s.figures = t.figures.copy()  # in the snapshot's manifest
+    stall = t.checkpointer.snapshot(t.s, {"train_loss": t.figures.train_loss, **t.figures.evaluated})
+    t.s.figures = None
+    if stall is not None:
+        t.this_attempt.stalls.append(stall)
 
 
 def _step_metrics(s: Session, loss: float, rate: float | None) -> dict[str, float]:

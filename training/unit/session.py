@@ -8,7 +8,6 @@ warm session and the background committer) is kept by ``training.unit.warm.Sessi
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,6 +27,7 @@ from training.start.identity import check_same_run, requested_data_skip, same_da
 from training.start.load_path import read_checkpoint
 from training.start.warm_start import load_start, load_weights
 from training.unit import rng
+from training.unit.figures import UNIT_SO_FAR, UnitFigures
 from training.unit.host_memory import newest_snapshot, sharded_snapshot
 from training.unit.state import SMALL, TrainState
 
@@ -88,8 +88,13 @@ class Session:
     hooks: Hooks = field(default_factory=Hooks)
     loader: Any = None  # with num_workers > 0: one DataLoader whose worker processes live across units
     # The unit's figures so far when the state is inside a unit (a snapshot's or a stop's checkpoint): the resumed unit
-    # reports its loss and samples over the whole unit, as an uninterrupted one does (training/unit/loop.py).
-    unit_so_far: dict[str, Any] | None = None
+    # reports its loss and samples over the whole unit, as an uninterrupted one does (training/unit/figures.py).
+    figures: UnitFigures | None = None
+
+    @property
+    def unit_so_far(self) -> dict[str, Any] | None:
+        """What a checkpoint taken now records of the unit's figures (manifest metadata ``UNIT_SO_FAR``)."""
+        return self.figures.record() if self.figures is not None else None
 
     @property
     def state(self) -> TrainState:
@@ -224,7 +229,7 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) ->
         )
         _apply(session, loaded, fix)
         _restore_stream(config, session, loaded)
-        session.unit_so_far = unit_so_far(loaded.info.manifest.metadata.get(UNIT_SO_FAR))
+        session.figures = UnitFigures.from_record(loaded.info.manifest.metadata.get(UNIT_SO_FAR))
         reposition(config, session)
         if in_memory is not None:
             return Origin("host", loaded.info.name, f"snapshot {loaded.info.name} in this machine's memory")
@@ -235,26 +240,6 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) ->
         rng.seed_all(config.seed + session.world.rank)  # same initial weights everywhere, own RNG streams after
     session.data_skip_applied = requested_data_skip(config)  # nothing to skip at the start of a run
     return Origin("fresh")
-
-
-UNIT_SO_FAR = "unit_so_far"  # manifest metadata: a checkpoint inside a unit records the unit's figures so far
-_SO_FAR_NUMBERS = ("loss_sum", "loss_count", "norm_sum", "norm_count", "unit_start_samples", "snapshots")
-
-
-def unit_so_far(recorded: Any) -> dict[str, Any] | None:
-    """A manifest's ``unit_so_far``, typed (numbers, and the evaluation's metrics), or None when it has none or it does
-    not read as one (the unit's figures then cover the resumed steps only, as before)."""
-    if not isinstance(recorded, dict):
-        return None
-    numbers = {k: recorded.get(k) for k in _SO_FAR_NUMBERS}
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers.values()):
-        return None
-    evaluated = recorded.get("evaluated") or {}
-    if not isinstance(evaluated, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in evaluated.items()
-    ):
-        return None
-    return {**numbers, "evaluated": {k: float(v) for k, v in evaluated.items()}}
 
 
 def _start_from_load_path(config: TrainConfig, session: Session, files: list[str]) -> Origin:
