@@ -9,6 +9,7 @@ generic "use '<n>ep'..." that does not say why a valid Composer value failed.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,13 +33,23 @@ class Duration:
 
     @classmethod
     def parse(cls, text: str, option: str = "duration") -> Duration:
-        m = _DURATION.match(str(text))
-        if not m or not 1 <= int(m.group(1)) <= MAX_COUNT:
+        """``text`` as a Duration, or ValueError naming ``option``. Each text is parsed once per process: the config's
+        validation parses it, and the loop's reads (``TrainConfig.duration`` and the like, several a step) find it."""
+        parsed = _parsed(str(text))
+        if parsed is None:
             raise ValueError(_problem(str(text), option))
-        return cls(int(m.group(1)), m.group(2).lower())  # type: ignore[arg-type]
+        return parsed
 
     def __str__(self) -> str:
         return f"{self.value}{self.unit}"
+
+
+@functools.lru_cache(maxsize=256)  # a Duration is frozen: one value shared by every reader is safe
+def _parsed(text: str) -> Duration | None:
+    m = _DURATION.match(text)
+    if not m or not 1 <= int(m.group(1)) <= MAX_COUNT:
+        return None
+    return Duration(int(m.group(1)), m.group(2).lower())  # type: ignore[arg-type]
 
 
 def _problem(text: str, option: str) -> str:

@@ -403,6 +403,8 @@ class TrainConfig(BaseSettings):
         return tuple(sources)
 
     # -- derived -------------------------------------------------------------------------------
+    # The duration fields stay text (what flow-run parameters, manifests and model_copy(update=...) carry); each text
+    # is parsed once, by its validator, and these reads (several a step) find that value (Duration.parse).
     @property
     def duration(self) -> Duration:
         return Duration.parse(self.max_duration)
