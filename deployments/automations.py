@@ -30,6 +30,8 @@ from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.objects import StateType
 from prefect.settings import get_current_settings
 
+from training.run_states import ATTEMPT_DIED, AWAITING_RESTART, PREEMPTED, flow_run_event
+
 HEARTBEAT_LOST = "training: heartbeat lost -> crashed"
 RESTART_CRASHED = "training: crashed -> restart"  # removed: deployments/recovery.py restarts (see above)
 RESTART_MISSED = "training: crash not restarted -> restart"  # removed, as RESTART_CRASHED
@@ -46,15 +48,15 @@ MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency
 # Crashed 60 s later, then restarted as a crash).
 ALIVE_OR_DONE = {
     "prefect.flow-run.heartbeat",
-    "prefect.flow-run.Preempted",
-    "prefect.flow-run.AwaitingRestart",  # the reconciler restarted it: it waits for a worker, without heartbeats
+    flow_run_event(PREEMPTED),
+    flow_run_event(AWAITING_RESTART),  # the reconciler restarted it: it waits for a worker, without heartbeats
     "prefect.flow-run.Completed",
     "prefect.flow-run.Failed",
     "prefect.flow-run.Cancelled",
     "prefect.flow-run.Cancelling",
     "prefect.flow-run.Paused",
     "prefect.flow-run.Suspended",
-    "prefect.flow-run.AttemptDied",  # a subflow of a dead attempt, ended by the restarted one (flows/restarts.py)
+    flow_run_event(ATTEMPT_DIED),  # a subflow of a dead attempt, ended by the restarted one (flows/restarts.py)
 }
 
 

@@ -55,10 +55,10 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFi
 from prefect.states import Crashed, Scheduled, to_state_create
 
 from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, heartbeat_seconds
+from training.run_states import ATTEMPT_DIED  # a subflow a restarted attempt ended: never a death to restart
+from training.run_states import AWAITING_RESTART as RESTARTED  # flows/restarts.py reads the same name
 
 logger = logging.getLogger("deployments.recovery")
-RESTARTED = "AwaitingRestart"  # the restart's state name (flows/restarts.py reads the same name)
-ATTEMPT_DIED = "AttemptDied"  # a subflow a restarted attempt ended (flows/restarts.py): never a death to restart
 LIFE = ["prefect.flow-run.heartbeat", "training.attempt.alive"]  # what a live attempt sends (flows/restarts.py)
 GRACE_SECONDS = 15.0  # > flows/restarts.py's ALIVE_SECONDS (5) twice plus the event's way into the database
 INTERVAL_SECONDS = 3.0

@@ -32,13 +32,11 @@ from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled, Crashed, Scheduled
 
-from tasks.train_unit import PREEMPTED, SUPERSEDED
 from tasks.trial import UNTRUSTED_ENV as UNTRUSTED_TRIAL_ENV
 from training.preemption import STOP, Preempted
+from training.run_states import ATTEMPT_DIED, PREEMPTED, SUPERSEDED
 
 logger = logging.getLogger(__name__)
-RESTARTED = "AwaitingRestart"  # the state the reconciler sets (deployments/recovery.py)
-ATTEMPT_DIED = "AttemptDied"  # the Crashed state of a task run an earlier attempt left unfinished
 UNFINISHED = [StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]
 
 

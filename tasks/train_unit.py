@@ -26,13 +26,13 @@ from training.config import TrainConfig
 from training.exceptions import Permanent, RankDied
 from training.preemption import Preempted
 from training.run import execute_unit
+from training.run_states import PREEMPTED, SUPERSEDED
 from training.unit.evaluation import evaluate_checkpoint
 from training.unit.loop import UnitResult
 
 T = TypeVar("T")
 # The names of a stopped task run's state (a Cancelled one); a preempted deployment run's Scheduled state is named
 # PREEMPTED too (flows/restarts.py).
-PREEMPTED, SUPERSEDED = "Preempted", "Superseded"
 stopped_log.install((PREEMPTED, SUPERSEDED))  # their task runs finish with an INFO line, not Prefect's ERROR
 JITTER = 0.5  # each retry waits its exponential delay times a random factor in [1, 1 + JITTER]
 _JITTER = random.SystemRandom()  # never the training thread's generator (training/unit/rng.py)

@@ -43,11 +43,11 @@ from prefect.states import Cancelled, Crashed, State
 from pydantic import BaseModel
 
 from checkpointing.snapshots import INTERMEDIATE
-from tasks.train_unit import PREEMPTED
 from training.config import TrainConfig
 from training.distributed.processes import die_with_parent
 from training.exceptions import TrialDied, TrialFailed, TrialStopped
 from training.recipe.loader import ALLOWED_ENV
+from training.run_states import PREEMPTED
 from training.unit.session import open_store
 
 # How the child says what happened (flows/sweep_trial.py): the CLI's codes.

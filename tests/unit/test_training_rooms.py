@@ -4,6 +4,7 @@ by test_host_tier.py (a resumed unit reports the whole unit's figures) and test_
 
 from __future__ import annotations
 
+import ast
 import math
 
 import pytest
@@ -62,3 +63,22 @@ def test_durations_are_parsed_once_and_a_copy_with_another_duration_reads_its_ow
     assert longer.duration == Duration(5, "ep") and config.duration == Duration(3, "ep")
     with pytest.raises(ValueError, match=r"save_interval='3tok': tokens"):
         Duration.parse("3tok", "save_interval")
+
+
+def test_the_orchestrator_state_names_are_spelled_in_one_module():
+    """A name spelled twice drifts: the reconciler once set a name flows/restarts.py no longer read."""
+    from tests.conftest import ROOT
+    from training import run_states
+
+    names = {run_states.PREEMPTED, run_states.SUPERSEDED, run_states.AWAITING_RESTART, run_states.ATTEMPT_DIED}
+    literals = names | {run_states.flow_run_event(n) for n in names}
+    # the exception class Preempted (training.preemption), not a state: a rank's error record, flows.train's __all__
+    not_a_state = {("training/distributed/errors.py", "Preempted"), ("flows/train.py", "Preempted")}
+    spelled = set()
+    for package in ("checkpointing", "training", "tasks", "flows", "deployments", "recipes"):
+        for path in (ROOT / package).rglob("*.py"):
+            where = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and node.value in literals and (where, node.value) not in not_a_state:
+                    spelled.add(where)
+    assert spelled == {"training/run_states.py"}
