@@ -54,8 +54,9 @@ demo: install-runtime
 # JOBS pytest processes (pytest-xdist), each taking whole files (a module's Prefect stack is started once): most
 # end-to-end tests wait on servers, heartbeats and signals rather than the CPU, so 3 on 2 cores took 13 minutes
 # where one took 27 (bench/RESULTS.md, "Test suite"). JOBS=1 runs it in one process.
+# The files go out longest first (tests/file_seconds.json; xdist's own reorder, by test count, is turned off).
 JOBS ?= 3
-XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 test: install
 	$(PY) -m pytest -q $(XDIST) --durations=15
 

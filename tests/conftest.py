@@ -275,3 +275,16 @@ def _print_the_seed(request):
 
 # The waits of the end-to-end tests scale with the machine's load: tests/deadlines.py.
 from tests.deadlines import deadline, time_scale, wait_until  # noqa: E402, F401
+
+
+# --- The order the files run in: the longest first ---------------------------------------------------------------
+# `make test` gives whole files to its xdist workers (--dist loadfile, a module's stack and reference runs once), in
+# collection order (--no-loadscope-reorder: xdist's own order puts the files with the most tests first, so the few
+# long end-to-end files came last and one worker ran on alone for minutes). Collected longest file first (the seconds
+# each took in a full run: tests/file_seconds.json), the workers' last files are short ones and they end together.
+# Refresh the table from a run's junit xml: `.venv/bin/python -m tests.file_seconds junit.xml`.
+def pytest_collection_modifyitems(session, config, items):
+    from tests.file_seconds import expected_seconds
+
+    seconds = expected_seconds(items)
+    items.sort(key=lambda item: -seconds[item.nodeid.split("::", 1)[0]])  # stable: a file's own order is kept
