@@ -27,7 +27,7 @@ SHAPES = {
 def per_step(shape: dict, tensorboard: bool) -> float:
     """Seconds per step of ``shape``'s units, with event files on or off (a fresh run folder each time)."""
     from training.config import TrainConfig
-    from training.unit import metrics_log
+    from training.metrics import log as metrics_log
     from training.unit.loop import run_unit
     from training.unit.warm import SessionCache
 

@@ -76,10 +76,11 @@ def trained_session(config: Any) -> tuple[Any, Any]:
     """A restored session after one real optimizer step (AdamW's buffers exist), and its store."""
     from torch.utils.data import default_collate
 
+    from training.start.store import open_store
     from training.unit import session as sessions
     from training.unit.loop import _step
 
-    store = sessions.open_store(config)
+    store = open_store(config)
     s, _ = sessions.restore(config, store)
     ids = list(range(config.global_batch_size))
     collate = s.hooks.collate_fn or default_collate

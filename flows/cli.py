@@ -92,8 +92,8 @@ def check_before_prefect(config: TrainConfig) -> None:
     from training.start.launch_checks import check_recipe_allowed, check_relaunch
     from training.start.preflight import preflight
     from training.start.rollback import pending_roll_back
+    from training.start.store import open_store
     from training.start.warm_start import check_before_start
-    from training.unit.session import open_store
 
     check_recipe_allowed(config)
     epoch_size = preflight(config)  # a bad recipe or recipe_args fails before the flow run is created

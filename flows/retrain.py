@@ -31,7 +31,7 @@ from flows.restarts import end_dead_attempts, is_deployment_run
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 from training.config.trust import confine_locations, release_locations
-from training.unit.session import store_retry
+from training.start.store import store_retry
 
 # Named, not __name__: a worker loads this file from its deployment's entrypoint as a module named "retrain".
 logger = logging.getLogger("flows.retrain")

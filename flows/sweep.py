@@ -41,8 +41,8 @@ from training.config.trust import confine_locations, release_locations
 from training.exceptions import TrialStopped
 from training.preemption import Preempted
 from training.recipe.loader import allow_recipe, resolve_recipe
+from training.start.store import store_retry
 from training.sweep import Job, Study, SweepConfig, checkpoint_key, plan, spec_differences, unfinished_segments
-from training.unit.session import store_retry
 
 __all__ = ["SweepConfig", "SweepResult", "TrainConfig", "main", "sweep"]
 

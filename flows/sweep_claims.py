@@ -25,8 +25,8 @@ from checkpointing.io.untrusted import printable
 from checkpointing.ledger import event_key
 from checkpointing.snapshots import INTERMEDIATE
 from flows.artifacts import unit_of
+from training.start.store import store_retry
 from training.sweep import Study, SweepConfig, Trial, checkpoint_key
-from training.unit.session import store_retry
 
 LEDGER = "sweep"  # the ledger's prefix in the sweep folder (flows/sweep.py's Ledger)
 

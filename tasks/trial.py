@@ -48,7 +48,7 @@ from training.distributed.processes import die_with_parent
 from training.exceptions import TrialDied, TrialFailed, TrialStopped
 from training.recipe.loader import ALLOWED_ENV
 from training.run_states import PREEMPTED
-from training.unit.session import open_store
+from training.start.store import open_store
 
 # How the child says what happened (flows/sweep_trial.py): the CLI's codes.
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2

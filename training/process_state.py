@@ -24,9 +24,10 @@ def _forgetters() -> list[Callable[[], None]]:
     from checkpointing.io import confine
     from training import preemption
     from training.distributed.gang import close_gangs
+    from training.metrics import log as metrics_log
     from training.recipe import loader
     from training.start import preflight, warm_start
-    from training.unit import metrics_log, rng
+    from training.unit import rng
     from training.unit.loop import BUDGETS
     from training.unit.warm import PROCESS
 
@@ -40,6 +41,6 @@ def _forgetters() -> list[Callable[[], None]]:
         loader._allowed_in_process.clear,  # recipes a command line allowed for itself (``allow_recipe``)
         preflight._passed.clear,  # configs whose recipe was already built once (training/start/preflight.py)
         warm_start._passed.clear,  # load_paths already checked against the recipe (training/start/warm_start.py)
-        metrics_log.close_all,  # the runs' TensorBoard writers and MLflow runs (training/unit/metrics_log.py)
+        metrics_log.close_all,  # the runs' TensorBoard writers and MLflow runs (training/metrics/log.py)
         confine._state.clear,  # the local roots a deployment run confined this process to (checkpointing/io/confine.py)
     ]

@@ -39,10 +39,10 @@ from training.start.identity import check_same_run, requested_data_skip, same_da
 from training.start.overwrite import start_over, starts_over
 from training.start.preflight import preflight
 from training.start.rollback import pending_roll_back, roll_back
+from training.start.store import open_store
 from training.start.warm_start import check_load_path
 from training.unit.checkpointer import discard_host_snapshots
 from training.unit.loop import UnitResult, run_unit
-from training.unit.session import open_store
 from training.unit.warm import PROCESS
 
 logger = logging.getLogger(__name__)

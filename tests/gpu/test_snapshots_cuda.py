@@ -17,6 +17,7 @@ from checkpointing.host_tier import HostTier
 from training.exceptions import InjectedFault
 from training.recipe.loader import ALLOWED_ENV
 from training.run import Run, execute_unit
+from training.start.store import open_store
 from training.unit import session as sessions
 from training.unit.checkpointer import Checkpointer
 from training.unit.evaluation import to_device
@@ -113,7 +114,7 @@ def test_cuda_snapshots_every_step_then_a_retry_from_pinned_host_memory_match_an
 
 def test_the_step_after_a_snapshot_waits_for_its_copy_so_the_tier_holds_the_state_as_the_step_left_it(tmp_path):
     cfg = config(tmp_path, "race", recipe_args={"num_samples": 512, "hidden": 4096, "num_layers": 4})
-    store = sessions.open_store(cfg)
+    store = open_store(cfg)
     s, _ = sessions.restore(cfg, store)
     checkpointer = Checkpointer(cfg, store, Committer())
     batch = to_device(next(iter(torch.utils.data.DataLoader(s.dataset, batch_size=32))), s.device)

@@ -188,7 +188,7 @@ def test_the_progress_bar_draws_on_a_terminal_and_not_in_a_pipe(tmp_path):
 
 
 def test_two_processes_write_one_curve_from_rank_0_only(make_config, train_run, tmp_path):
-    from training.unit import metrics_log
+    from training.metrics import log as metrics_log
 
     train_run(make_config(max_duration="2ep", nproc_per_node=2))
     metrics_log.close_all()

@@ -1,4 +1,4 @@
-"""Metrics where people look (training/unit/metrics_log.py): TensorBoard event files read back as TensorBoard reads
+"""Metrics where people look (training/metrics/log.py): TensorBoard event files read back as TensorBoard reads
 them, a retried unit's steps replaced rather than duplicated, the progress bar only on a terminal, a metrics backend
 that is down never failing training, and bad options refused in one line."""
 
@@ -17,9 +17,9 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 
 from training.config import describe_error
 from training.exceptions import InjectedFault
-from training.unit import metrics_log
+from training.metrics import log as metrics_log
 from training.unit.loop import run_unit
-from training.unit.metrics_log import wants_progress_bar
+from training.metrics.log import wants_progress_bar
 
 
 @pytest.fixture(autouse=True)
@@ -173,7 +173,7 @@ def test_a_confined_run_writes_no_event_files_outside_the_allowed_roots(make_con
 
 
 def test_mlflow_params_are_the_config_without_credentials(make_config):
-    from training.unit.mlflow_log import params_of
+    from training.metrics.mlflow_log import params_of
 
     config = make_config(
         storage_options={"key": "AKIA-not-a-param", "secret": "s3cr3t"},
@@ -198,7 +198,7 @@ def test_writers_of_many_runs_in_one_process_stay_few(make_config, tmp_path):
 def test_a_new_event_file_sorts_after_the_newest_one_of_the_same_second(make_config, tmp_path):
     import time
 
-    from training.unit.session import open_store
+    from training.start.store import open_store
 
     config = make_config()
     folder = tmp_path / "runs" / "r" / "tb"

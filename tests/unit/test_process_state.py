@@ -8,7 +8,8 @@ from checkpointing.io import confine
 from training import preemption, process_state
 from training.recipe import loader
 from training.start import preflight, warm_start
-from training.unit import metrics_log, rng
+from training.metrics import log as metrics_log
+from training.unit import rng
 from training.unit.loop import BUDGETS
 
 

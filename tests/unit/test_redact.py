@@ -11,7 +11,7 @@ import pytest
 
 from checkpointing.io.redact import credential_keys, is_credential_name, redact, redact_text, redact_uri
 from flows.run_summary import summary_markdown  # imports Prefect, whose logging setup must come before caplog's
-from training.unit.mlflow_log import params_of
+from training.metrics.mlflow_log import params_of
 
 PASSWORD = "pa55-never-shown"
 

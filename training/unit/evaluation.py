@@ -12,11 +12,12 @@ from torch.utils.data import DataLoader
 
 from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
+from training.metrics.log import metrics_for
 from training.recipe.context import RunContext
 from training.recipe.hooks import Hooks
 from training.recipe.loader import load_recipe
+from training.start.store import open_store
 from training.unit import session as sessions
-from training.unit.metrics_log import metrics_for
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: SessionCache = PROCESS) -> dict[str, float]:
     """Metrics of ``checkpoint_name``; reuses the in-memory model when it is that checkpoint."""
-    store = sessions.open_store(config)
+    store = open_store(config)
     warm = cache.peek(config, store, checkpoint_name)
     if warm is not None:
         recipe, model, device = warm.recipe, warm.model, warm.device

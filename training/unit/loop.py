@@ -26,14 +26,15 @@ from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.exceptions import InjectedFault
+from training.metrics.log import MetricLog, metrics_for
 from training.position.progress import crossed, ends_unit, is_complete, samples_left, unit_index
 from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted, SaveBudget, Stop
+from training.start.store import open_store
 from training.unit import session as sessions
 from training.unit.checkpointer import Checkpointer
 from training.unit.evaluation import evaluate_model, to_device
 from training.unit.figures import AttemptFigures, UnitFigures
-from training.unit.metrics_log import MetricLog, metrics_for
 from training.unit.session import SINGLE_PROCESS, Origin, OriginKind, Session, World
 from training.unit.warm import PROCESS, SessionCache
 
@@ -81,7 +82,7 @@ def run_unit(
 ) -> UnitResult:
     """Trains one unit and commits its checkpoint. ``start_checkpoint`` is where the flow expects it to start
     (this process's state is reused only for that one); ``generation`` fences stale writers."""
-    store = sessions.open_store(config)
+    store = open_store(config)
     budget = BUDGETS.setdefault(store.uri, SaveBudget(config.preemption_grace_seconds))
     session, origin = _start(config, store, start_checkpoint, world, cache)
     unit = unit_index(session.progress, config.interval)

@@ -53,13 +53,14 @@ from training.recipe.context import RunContext
 from training.recipe.loader import load_recipe
 from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint, read_weights
+from training.start.store import open_store
 from training.unit import rng
 from training.unit.checkpointer import Checkpointer, rank_state_file
 from training.unit.host_memory import newest_snapshot
 from training.unit.loop import InjectedFault, UnitResult
 from training.unit.rank_meetings import RankMeetings
 from training.unit.reported_state import ReportError, check_loadable, check_metrics
-from training.unit.session import SINGLE_PROCESS, World, open_store, pick_device, rng_file
+from training.unit.session import SINGLE_PROCESS, World, pick_device, rng_file
 from training.unit.warm import PROCESS, SessionCache
 
 logger = logging.getLogger(__name__)
@@ -379,7 +380,7 @@ class LoopContext(RunContext):
     def _log_report(self, values: dict[str, float], progress: dict[str, int], committed: bool) -> None:
         if self._world.rank != 0:
             return
-        from training.unit.metrics_log import metrics_for  # TensorBoard, MLflow (rank 0), from this attempt's start
+        from training.metrics.log import metrics_for  # TensorBoard, MLflow (rank 0), from this attempt's start
 
         log = metrics_for(self._config, self._store, self._world)
         if self._num_reports == 1:

@@ -14,7 +14,6 @@ from typing import Any, Literal
 import torch
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
-from checkpointing.io.storage import RetrySettings
 from checkpointing.store import STATE_FILE
 from training.config import ConfigError, TrainConfig
 from training.position.iterable import StatefulIterable, check_options
@@ -30,28 +29,9 @@ from training.unit import rng
 from training.unit.figures import UNIT_SO_FAR, UnitFigures
 from training.unit.host_memory import newest_snapshot, sharded_snapshot
 from training.unit.state import SMALL, TrainState
+from training.world import SINGLE_PROCESS, World, rng_file
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place among the processes that train one unit together."""
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-
-    @property
-    def rng_file(self) -> str:
-        return rng_file(self.rank)
-
-
-SINGLE_PROCESS = World()
-
-
-def rng_file(rank: int) -> str:
-    return f"rng-rank{rank}.pt"
 
 
 # "store" (downloaded), "memory" (this process's warm state), "host" (a snapshot in this machine's shared memory, newer
@@ -100,17 +80,6 @@ class Session:
     def state(self) -> TrainState:
         """The stateful parts, one bundle: what ``save`` writes is what ``restore`` reads."""
         return TrainState(self.model, self.optimizer, self.scheduler, self.scaler, self.hooks)
-
-
-def store_retry(config: TrainConfig) -> RetrySettings:
-    """The run's object-store retry policy (every store call of the run, release.json included)."""
-    return RetrySettings(attempts=config.store_retry_attempts, max_seconds=config.store_retry_max_seconds)
-
-
-def open_store(config: TrainConfig) -> CheckpointStore:
-    return CheckpointStore(
-        config.save_folder, config.run_name, storage_options=config.storage_options, retry=store_retry(config)
-    )
 
 
 def pick_device(config: TrainConfig, world: World = SINGLE_PROCESS) -> torch.device:

@@ -12,7 +12,7 @@ A resumed or retried run continues one curve:
   the steps a killed attempt logged past the checkpoint it resumes from are replaced by the retrained ones, never
   shown twice. Events are flushed before
   every commit, so nothing a checkpoint covers is lost with the process.
-- MLflow (training/unit/mlflow_log.py): the run's id is kept in the run folder, so a relaunch continues the same
+- MLflow (training/metrics/mlflow_log.py): the run's id is kept in the run folder, so a relaunch continues the same
   MLflow run; steps MLflow already holds are not sent again (MLflow keeps every value it is sent).
 
 URIs in these log lines go through checkpointing.io.redact: no password or signed query reaches a log.
@@ -31,8 +31,8 @@ from checkpointing import CheckpointStore
 from checkpointing.io import confine
 from checkpointing.io.redact import redact_uri
 from training.config import TrainConfig
-from training.unit.mlflow_log import MlflowRun, mlflow_wanted
-from training.unit.session import SINGLE_PROCESS, World
+from training.metrics.mlflow_log import MlflowRun, mlflow_wanted
+from training.world import SINGLE_PROCESS, World
 
 logger = logging.getLogger(__name__)
 
