@@ -1,6 +1,7 @@
 """A real Prefect stack for the deployment tests: `prefect server`, the project's work pool, deployments
-(deployments/prefect.yaml, through `prefect deploy`), automations and a process worker. One per test module;
-every process it started is gone when the module ends.
+(deployments/prefect.yaml, through `prefect deploy`), automations and a process worker. One per pytest process
+(xdist worker), shared by the modules on SQLite; one of its own for a module on PostgreSQL or one that sets
+``OWN_STACK``. Every process a stack started is gone when it stops (checked).
 
 The server's database is SQLite in a temp PREFECT_HOME, or a PostgreSQL server started for the module (a cluster
 in a temp dir, as the stack's `postgres` user when run by root): a module sets ``STACK_DATABASE = "postgres"``
@@ -143,11 +144,9 @@ def require_postgres() -> None:
         pytest.skip(f"no PostgreSQL on this machine: {missing}")
 
 
-@pytest.fixture(scope="module")
-def prefect_stack(request, tmp_path_factory):
-    """Server (on the module's database) + pool + deployments + automations + worker, for one test module."""
+def _stack_up(tmp_path_factory, database: str):
+    """A RunningStack on ``database``, up; stopped (and checked to leave no process) when the generator closes."""
     logs = tmp_path_factory.mktemp("stack-logs")
-    database = stack_database(request.module)
     running = RunningStack(home=tmp_path_factory.mktemp("prefect-home"), logs=logs,
                            allowed_root=tmp_path_factory.getbasetemp(), database=database)  # fmt: skip
     try:
@@ -155,4 +154,28 @@ def prefect_stack(request, tmp_path_factory):
         yield running
     finally:
         survivors = running.down()
-        assert not survivors, f"processes left running after the stack stopped: {survivors}"
+        assert not survivors, f"processes left running by the stack: {survivors}"
+
+
+@pytest.fixture(scope="session")
+def shared_sqlite_stack(tmp_path_factory):
+    """One SQLite stack per pytest process (per xdist worker), started by the first module that asks for it and
+    shared by every module that does not need a stack of its own: each start costs a server, `prefect deploy` and a
+    worker (tens of seconds on 2 loaded cores), five modules used to start one each (issue 47)."""
+    yield from _stack_up(tmp_path_factory, "sqlite")
+
+
+@pytest.fixture(scope="module")
+def prefect_stack(request, tmp_path_factory):
+    """Server + pool + deployments + automations + worker for a test module: this process's shared SQLite stack
+    (``shared_sqlite_stack``), or one of the module's own where it sets ``STACK_DATABASE = "postgres"`` (or
+    TEST_STACK_DATABASE does) or ``OWN_STACK = True`` (a module that stops the server or changes what every module
+    relies on). A shared stack's worker that a previous module killed and did not replace is replaced here."""
+    database = stack_database(request.module)
+    if database != "sqlite" or getattr(request.module, "OWN_STACK", False):
+        yield from _stack_up(tmp_path_factory, database)
+        return
+    running = request.getfixturevalue("shared_sqlite_stack")
+    if running.worker is None or running.worker.poll() is not None:
+        running.start_worker()
+    yield running
