@@ -51,7 +51,8 @@ demo: install-runtime
 #                     Waits in the end-to-end tests scale with the load (TEST_TIME_SCALE sets it; tests/deadlines.py)
 # tests/integration/test_ui.py (make test-ui) needs headless Chromium: it runs `apt-get install -y chromium` itself
 # when it is missing (root, ~60 s) or skips saying why.
-# JOBS pytest processes (pytest-xdist), each taking whole files (a module's Prefect stack is started once): most
+# JOBS pytest processes (pytest-xdist), each taking whole files (a module's reference runs once; each process starts
+# one SQLite Prefect stack that its system modules share, tests/integration/conftest.py): most
 # end-to-end tests wait on servers, heartbeats and signals rather than the CPU, so 3 on 2 cores took 13 minutes
 # where one took 27 (bench/RESULTS.md, "Test suite"). JOBS=1 runs it in one process.
 # The files go out longest first (tests/file_seconds.json; xdist's own reorder, by test count, is turned off).
