@@ -9,7 +9,8 @@ resumes a killed tick under its own name; a whole dead machine (worker and run, 
 is noticed by its missing heartbeats and restarted on another worker; and a link planted in, or swapped into,
 the worker's allowed roots fails a run in one line with nothing read or written outside, as does data outside them
 or a data endpoint of the run's own. One server and worker
-serve the module (tests/integration/conftest.py); its logs are in the pytest tmp dir (stack-logs*).
+serve the module, shared with this pytest process's other system modules on SQLite (tests/integration/conftest.py);
+its logs are in the pytest tmp dir (stack-logs*).
 """
 
 from __future__ import annotations
