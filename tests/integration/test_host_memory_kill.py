@@ -164,8 +164,8 @@ def test_a_hard_kill_of_every_rank_loses_at_most_one_step_and_ends_bit_identical
 def test_with_fsdp_snapshots_a_relaunch_at_a_unit_boundary_matches_an_uninterrupted_run(tmp_path, uninterrupted):
     """A snapshot inside a unit once left its RNG state as the one a warm next unit restores: the uninterrupted run
     went on with step 7's random stream at step 8, and a relaunch from the store's step 8 did not match it. The
-    relaunch goes on to the FSDP kill test's uninterrupted 6 epochs (a run of 2 epochs of its own cost a third
-    two-process launch, ~50 s; issue 47): a unit 1 that took another random stream differs to the end."""
+    relaunch goes on to the FSDP kill test's uninterrupted 6 epochs (a 2-epoch run of its own was a third
+    two-process launch: 26.4 s -> 17.9 s at load 1; issue 47): a unit 1 that took another random stream differs to the end."""
     split = str(tmp_path / "split")
     run_to_completion(command(split, *FSDP, duration="1ep"), tmp_path / "first.log")
     text = run_to_completion(command(split, *FSDP), tmp_path / "second.log")
