@@ -16,6 +16,7 @@ and the next worker completes it bit-identically.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from prefect.client.schemas.objects import StateType
 
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
+from deployments import stack as stacks
 from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 from tests.integration.stack_client import (
     ROOT,
@@ -76,13 +78,26 @@ def in_a_step(record: Path) -> bool:
         return False
 
 
+def uninterrupted(prefect_stack, folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of an uninterrupted run of the paced recipe, trained by ``python -m tests.run_lifecycle`` (the
+    train flow's lifecycle without Prefect) in a process like a flow run's: the stack's environment and the OpenMP
+    threads the worker gives its flow runs. The reference is only weights to compare against, and the same config
+    trains the same weights either way (checked once against a deployment run, torch.equal); a deployment run of its
+    own cost this module a flow run through the worker (issue 47)."""
+    config = paced(folder / "runs", "ref", folder / "ids")
+    flags = [
+        f for key, value in config.items() for f in (f"--{key}", value if isinstance(value, str) else json.dumps(value))
+    ]
+    env = prefect_stack.stack.env(OMP_NUM_THREADS=str(stacks.worker_threads()))
+    done = subprocess.run([sys.executable, "-m", "tests.run_lifecycle", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return model_of(folder / "runs", "ref")
+
+
 @pytest.fixture(scope="module")
 def reference(prefect_stack, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The weights of an uninterrupted deployment run of the paced recipe."""
-    folder = tmp_path_factory.mktemp("reference")
-    run_id = start_run(prefect_stack, "train/default", {"config": paced(folder / "runs", "ref", folder / "ids")})
-    wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
-    return model_of(folder / "runs", "ref")
+    return uninterrupted(prefect_stack, tmp_path_factory.mktemp("reference"))
 
 
 def started_mid_unit(prefect_stack, folder: Path, record: Path, run_name: str):
