@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from training.config import describe_error
 from training.exceptions import InjectedFault
 from training.metrics import log as metrics_log
-from training.unit.loop import run_unit
 from training.metrics.log import wants_progress_bar
+from training.unit.loop import run_unit
 
 
 @pytest.fixture(autouse=True)

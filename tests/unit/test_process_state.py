@@ -6,9 +6,9 @@ import random
 
 from checkpointing.io import confine
 from training import preemption, process_state
+from training.metrics import log as metrics_log
 from training.recipe import loader
 from training.start import preflight, warm_start
-from training.metrics import log as metrics_log
 from training.unit import rng
 from training.unit.loop import BUDGETS
 
