@@ -126,16 +126,6 @@ class PendingCommit:
         """Blocks until the commit is done; re-raises its error."""
         return self._future.result()
 
-    def settle(self, info: CheckpointInfo | None = None, error: BaseException | None = None) -> None:
-        """The commit's end, from whoever made it (the snapshot pipeline's upload thread): committed as ``info``, or
-        failed with ``error``. Settled once: a later call changes nothing."""
-        if self._future.done():
-            return
-        if error is not None:
-            self._future.set_exception(error)
-        else:
-            self._future.set_result(info)  # type: ignore[arg-type]
-
 
 def request(
     terms: CommitTerms, objects: dict[str, Any], *, background: bool, network_weights: bool = False

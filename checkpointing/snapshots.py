@@ -13,14 +13,10 @@ backward: ``before_step`` makes the next ``optimizer.step()`` wait for it on the
    is done and the thread has rested (``UPLOAD_DUTY``). A snapshot taken ``must_upload`` (a unit's last, a
    preemption's) is always uploaded, in order and at once, and its ``PendingCommit`` reports it.
 
-Slots (at most three, each the size of the state) are made on a thread of their own (checkpointing/snapshot_slots.py)
-from the first snapshot on, which tells their size: the training thread only copies. The newest published one is
-never written (a kill during a copy leaves it whole), nor the one being published, nor the one being uploaded, nor
-the ones queued to upload; a copy goes to any other that is ready. Three cover every case; two suffice when uploads
-keep pace. A snapshot inside a unit never waits for a slot: when none is free and ready (the run's first snapshot,
-whose slots are being made; all three held by a slow upload) it is skipped, counted in ``stats`` and logged once.
-A snapshot that must reach the store (a unit's last, a preemption's) waits for one, and the wait is counted apart
-from the copy.
+Slots (at most three, allocated as needed, each the size of the state): the newest published one is never written
+(a kill during a copy leaves it whole), the one being uploaded is never written, the ones queued to upload
+are never written; a copy goes to any other. Three cover every case; two suffice when uploads keep pace. When all
+three are held, the copy waits for the upload (counted in the stall, and logged).
 
 Without the tier (turned off, or ``/dev/shm`` short or not private) the slots are private memory: the same copy,
 the same background commit, nothing that survives the process.
@@ -49,17 +45,18 @@ from checkpointing.commit import (
 )
 from checkpointing.host_tier import (
     MAX_SLOTS,
+    ROOT_ENV,
     TENSOR_MARK,
     HostTier,
     Record,
     Slot,
     TensorEntry,
+    TierUnavailable,
     checksum,
     layout,
     rebuild,
 )
 from checkpointing.io.redact import redact_uri
-from checkpointing.snapshot_slots import SlotPool, unpin_all
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +66,6 @@ log = logging.getLogger(__name__)
 # meanwhile; a unit's last snapshot (and a preemption's) is uploaded at once.
 UPLOAD_DUTY = 0.1
 INTERMEDIATE = "within_unit"  # manifest metadata key: a snapshot taken inside a unit (superseded ones are deleted)
-
-
-class SnapshotSkipped(RuntimeError):
-    """What a skipped snapshot's ``PendingCommit`` holds: no slot was free and ready, nothing was copied."""
 
 
 # -- the state, split into tensors and the rest ------------------------------------------------------------
@@ -136,31 +129,11 @@ class _Job:
 
 @dataclass
 class Taken:
-    """What ``take`` gave back: the snapshot's commit (reported once uploaded, for ``must_upload``), the stall
-    (``seconds``), of which ``copy_seconds`` copying and ``waited`` waiting for a slot; ``skipped``: no slot was
-    free and ready, nothing was copied (and ``pending`` never commits)."""
+    """What ``take`` gave back: the snapshot's commit (reported once uploaded, for ``must_upload``) and the stall."""
 
     pending: PendingCommit
     seconds: float
-    copy_seconds: float = 0.0
-    waited: float = 0.0
-    skipped: bool = False
-
-
-@dataclass
-class Stats:
-    """What the run's snapshots cost the training thread, apart: copies, waits for a slot, and skips."""
-
-    taken: int = 0
-    skipped: int = 0
-    copy_seconds_max: float = 0.0
-    wait_seconds_max: float = 0.0
-
-    def add(self, taken: Taken) -> None:
-        self.skipped += taken.skipped
-        self.taken += not taken.skipped
-        self.copy_seconds_max = max(self.copy_seconds_max, taken.copy_seconds)
-        self.wait_seconds_max = max(self.wait_seconds_max, taken.waited)
+    waited_for_upload: float = 0.0
 
 
 @dataclass
@@ -179,11 +152,10 @@ class SnapshotPipeline:
     """Snapshots of one run from one process (one rank). ``tier``: the host-memory tier, or None for private slots."""
 
     def __init__(self, store_uri: str, rank: int, tier: HostTier | None):
-        self.store_uri, self.rank = store_uri, rank
+        self.store_uri, self.rank, self.tier = store_uri, rank, tier
+        self._slots: dict[int, Slot] = {}
         self._lock = threading.Condition()
-        self.slots = SlotPool(tier, self._lock, self._warn)
         self._newest: _Job | None = None  # published, newest
-        self._publishing: list[_Job] = []  # copied, handed to the publish thread (their slots are held)
         self._uploading: _Job | None = None
         self._queued: list[_Job] = []  # must upload, waiting for the upload thread (oldest first)
         self._offered: _Job | None = None  # newest published, may upload
@@ -192,8 +164,7 @@ class SnapshotPipeline:
         self._next_intermediate_at = 0.0  # monotonic time before which no snapshot inside a unit is uploaded
         self._timer: threading.Timer | None = None
         self._failure: BaseException | None = None
-        self._copying: int | None = None  # the slot the training thread is copying into
-        self._published: Future[None] | None = None  # the newest publication handed to the publish thread
+        self._publishing: Future[None] | None = None
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="snapshot-publish")
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="snapshot-upload")
         self._stream: Any = None
@@ -203,11 +174,10 @@ class SnapshotPipeline:
         self._copy_event: Any = None
         self._warned: set[str] = set()
         self.usage = Usage(shared=tier is not None, tier_path=tier.path if tier else "")
-        self.stats = Stats()
         self._seq = 1 + max((r.seq for _, r in tier.records(rank)), default=0) if tier else 0
         # Buffers page-locked for CUDA are unregistered before their memory is unmapped, even when the pipeline is
         # dropped without close(): CUDA keeps the registration, and a new mapping at that address fails to register.
-        weakref.finalize(self, unpin_all, self.slots.slots)
+        weakref.finalize(self, _unpin_all, self._slots)
         self._held_by_tier = self._newest_on_disk() if tier else None
 
     # -- the training thread ------------------------------------------------------------------------
@@ -223,65 +193,34 @@ class SnapshotPipeline:
         claim: dict[str, Any] | None = None,
     ) -> Taken:
         """Copies ``objects`` (file name -> object for ``torch.save``) into a slot and hands it to the background.
-        No slot free and ready: skipped (``Taken.skipped``), unless ``must_upload`` (then it waits for one). TypeError
-        when the state holds tensors that cannot be copied this way (the caller commits it the old way)."""
+        TypeError when the state holds tensors that cannot be copied this way (the caller commits it the old way)."""
         t0 = time.perf_counter()
         flat = flatten(objects)
+        self._wait_published()
+        waited = 0.0
+        with self._lock:
+            index = self._free_slot()
+            while index is None:  # newest, uploading and queued hold all three: the upload must finish first
+                w0 = time.perf_counter()
+                self._lock.wait()
+                waited += time.perf_counter() - w0
+                index = self._free_slot()
+        if waited:
+            log.info("snapshot %s waited %.2fs for the upload before it (all %d slots held)", name, waited, MAX_SLOTS)
         entries, size = self._layout(flat.tensors)
-        slot, waited = self._claim_slot(size, any(t.is_cuda for t in flat.tensors), name, must_upload)
-        pending = PendingCommit(name, terms.store.storage.uri(f"checkpoints/{name}"), 0, dict(terms.progress))
+        slot = self._slot(index, size, pin=any(t.is_cuda for t in flat.tensors))
+        if self.tier is not None and slot.shared:
+            self.tier.invalidate(index)
+        event = self._copy(flat.tensors, self._targets(slot, entries), slot)
+        nbytes = sum(e.nbytes for e in entries)
+        pending = PendingCommit(name, terms.store.storage.uri(f"checkpoints/{name}"), nbytes, dict(terms.progress))
         pending.metadata = dict(terms.metadata)
-        if slot is None:
-            return self._skipped(Taken(pending, time.perf_counter() - t0, skipped=True), name)
-        try:
-            if self.tier is not None and slot.shared:
-                self.tier.invalidate(slot.index)
-            c0 = time.perf_counter()
-            event = self._copy(flat.tensors, self._targets(slot, entries), slot)
-            copied = time.perf_counter() - c0
-        except BaseException:
-            with self._lock:
-                self._copying = None
-            raise
-        pending.size_bytes = sum(e.nbytes for e in entries)
         job = _Job(slot, terms, name, entries, flat.tree, must_upload, network_weights, pending, claim or {})
         job.event, job.upload = event, upload
         with self._lock:
             job.seq, self._seq = self._seq, self._seq + 1
-            self._publishing.append(job)
-            self._copying = None
-        self._published = self._publisher.submit(self._publish, job)
-        taken = Taken(pending, time.perf_counter() - t0, copied, waited)
-        self.stats.add(taken)
-        return taken
-
-    def _claim_slot(self, size: int, pin: bool, name: str, must_upload: bool) -> tuple[Slot | None, float]:
-        """A free slot made for ``size`` bytes, held for the copy, and the seconds waited for it (``must_upload``
-        only); slots not ready are asked of the slot thread meanwhile."""
-        waited = 0.0
-        with self._lock:
-            slot = self._free_slot(size, pin)
-            while slot is None and must_upload:
-                w0 = time.perf_counter()
-                self._lock.wait(1.0)
-                waited += time.perf_counter() - w0
-                slot = self._free_slot(size, pin)
-            if slot is not None:
-                self._copying = slot.index
-        if waited:
-            log.info("snapshot %s waited %.2fs for a free snapshot buffer", name, waited)
-        return slot, waited
-
-    def _skipped(self, taken: Taken, name: str) -> Taken:
-        taken.pending.settle(error=SnapshotSkipped(f"snapshot {name} skipped: no snapshot buffer was free and ready"))
-        self.stats.add(taken)
-        if self.stats.skipped == 1:
-            log.info(
-                "snapshot %s skipped: no snapshot buffer was free and ready (the first snapshot's are made in the "
-                "background; skips are counted in the unit's snapshots_skipped, logged once)",
-                name,
-            )
-        return taken
+        self._publishing = self._publisher.submit(self._publish, job)
+        return Taken(pending, time.perf_counter() - t0, waited)
 
     def _layout(self, tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
         """Where each tensor goes in a slot, and the bytes it takes; worked out once while the state keeps its shapes."""
@@ -331,25 +270,61 @@ class SnapshotPipeline:
         self._copy_event = event
         return event
 
-    def _free_slot(self, size: int, pin: bool) -> Slot | None:
-        """(lock held) A slot no snapshot holds, made for ``size`` bytes; the free ones not made yet are asked for."""
-        held = {j.slot.index for j in (self._newest, self._uploading, *self._queued, *self._publishing) if j}
-        held |= {i for i in (self._held_by_tier, self._copying) if i is not None}
-        free = [i for i in range(MAX_SLOTS) if i not in held]
-        ready = [slot for i in free if (slot := self.slots.ready(i, size, pin)) is not None]
-        if not ready:
-            self.slots.want(free, size, pin)
-        self.usage.slots, self.usage.bytes = len(self.slots.slots), self.slots.nbytes
-        self.usage.pinned = self.slots.pinned
-        return ready[0] if ready else None
+    def _free_slot(self) -> int | None:
+        held = {j.slot.index for j in (self._newest, self._uploading, *self._queued) if j is not None}
+        if self._held_by_tier is not None:
+            held.add(self._held_by_tier)
+        for index in range(MAX_SLOTS):
+            if index not in held:
+                return index
+        return None
 
-    @property
-    def tier(self) -> HostTier | None:
-        return self.slots.tier
+    def _slot(self, index: int, size: int, pin: bool) -> Slot:
+        slot = self._slots.get(index)
+        if slot is not None and slot.size >= size:
+            return slot
+        if slot is not None:
+            self._unpin(slot)
+        size = size + size // 16  # room for a state that grows a little (an optimizer's lazily made buffers)
+        slot = None
+        if self.tier is not None:
+            try:
+                slot = self.tier.allocate(index, size)
+            except TierUnavailable as exc:
+                self._warn("tier", f"host-memory tier off for this run: {exc}; snapshots stay in private memory")
+                self.tier, self.usage.shared, self.usage.tier_path = None, False, ""
+        if slot is None:
+            slot = Slot.private(index, size)
+        if pin:
+            self._pin(slot)
+        self._slots[index] = slot
+        self.usage.slots, self.usage.bytes = len(self._slots), sum(s.size for s in self._slots.values())
+        return slot
 
-    @tier.setter
-    def tier(self, tier: HostTier | None) -> None:
-        self.slots.tier = tier
+    def _pin(self, slot: Slot) -> None:
+        """Page-locks a slot for CUDA copies (cudaHostRegister), once; without it a copy from the GPU is synchronous."""
+        if not slot.pinnable:
+            self._warn(
+                "pin",
+                f"snapshot buffers on a {slot.filesystem or 'disk'} file system cannot be page-locked, so a copy from "
+                f"the GPU blocks training; put {ROOT_ENV} on a tmpfs (such as /dev/shm)",
+            )
+            return
+        ptr = torch.frombuffer(slot.buffer, dtype=torch.uint8).data_ptr()
+        code = torch.cuda.cudart().cudaHostRegister(ptr, slot.size, 0)
+        if int(code) != 0:
+            _absorb_cuda_error()
+            self._warn(
+                "pin",
+                f"page-locking {slot.size / 1e6:.0f} MB of snapshot buffers failed ({code}); a copy from the GPU "
+                f"blocks training",
+            )
+            return
+        slot.registered_ptr = ptr
+        self.usage.pinned = True
+
+    def _unpin(self, slot: Slot) -> None:
+        _unpin(slot)
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -357,64 +332,48 @@ class SnapshotPipeline:
             self.usage.notes.append(message)
             log.warning(message)
 
-    def wait_published(self) -> None:
-        """Blocks until every snapshot taken so far is published (or failed to be: logged by the publish thread)."""
-        published = self._published
-        if published is not None:
-            published.result()
+    def _wait_published(self) -> None:
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            try:
+                publishing.result()
+            except Exception as exc:  # the slot stays unpublished: the tier keeps the one before it
+                log.warning("snapshot could not be published to the host-memory tier: %s: %s", type(exc).__name__, exc)
 
     # -- the publish thread -------------------------------------------------------------------------
     def _publish(self, job: _Job) -> None:
-        try:
-            if job.event is not None:
-                job.event.synchronize()
-        except BaseException as exc:  # the copy did not finish: nothing of it is kept
-            log.warning("snapshot %s was not copied: %s: %s", job.name, type(exc).__name__, exc)
-            with self._lock:
-                self._publishing.remove(job)
-                self._failure = exc if job.must_upload else self._failure
-                job.pending.settle(error=exc)
-                self._lock.notify_all()
-            return
+        if job.event is not None:
+            job.event.synchronize()
         if self.tier is not None and job.slot.shared:
-            try:
-                self._record(job)
-            except Exception as exc:  # the tier keeps the snapshots before it; the store still gets this one
-                log.warning("snapshot could not be published to the host-memory tier: %s: %s", type(exc).__name__, exc)
+            buffer = io.BytesIO()
+            torch.save(job.tree, buffer)
+            tree = buffer.getvalue()
+            used = max((e.offset + e.nbytes for e in job.entries), default=0)
+            record = Record(
+                name=job.name,
+                progress=dict(job.terms.progress),
+                metadata={**job.terms.metadata, "claim": job.claim},
+                generation=job.terms.writer.generation,
+                seq=job.seq,
+                tensors=job.entries,
+                data_bytes=used,
+                data_xxh=checksum(memoryview(job.slot.buffer)[:used]),
+                tree_xxh=checksum(tree),
+                store_uri=self.store_uri,
+            )
+            self.tier.publish(job.slot, record, tree)
         with self._lock:
-            self._publishing.remove(job)
             job.published = True
             self._newest = job
             self._held_by_tier = None  # from now on this process's own snapshots say which slot is newest
             if not job.upload:
-                job.pending.settle()
+                self._settle(job)
             elif job.must_upload:  # every unit's last snapshot reaches the store, in order
                 self._queued.append(job)
             else:
                 self._offered = job
             self._pump()
             self._lock.notify_all()
-
-    def _record(self, job: _Job) -> None:
-        """Checksums the slot and writes its tree and record: from then on a relaunch here may resume from it."""
-        assert self.tier is not None
-        buffer = io.BytesIO()
-        torch.save(job.tree, buffer)
-        tree = buffer.getvalue()
-        used = max((e.offset + e.nbytes for e in job.entries), default=0)
-        record = Record(
-            name=job.name,
-            progress=dict(job.terms.progress),
-            metadata={**job.terms.metadata, "claim": job.claim},
-            generation=job.terms.writer.generation,
-            seq=job.seq,
-            tensors=job.entries,
-            data_bytes=used,
-            data_xxh=checksum(memoryview(job.slot.buffer)[:used]),
-            tree_xxh=checksum(tree),
-            store_uri=self.store_uri,
-        )
-        self.tier.publish(job.slot, record, tree)
 
     # -- the upload thread --------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -491,9 +450,18 @@ class SnapshotPipeline:
                     self._uploaded_seq = max(self._uploaded_seq, job.seq)
                 elif job.must_upload:
                     self._failure = error
-                job.pending.settle(info, error)
+                self._settle(job, error=error, info=info)
                 self._pump()
                 self._lock.notify_all()
+
+    def _settle(self, job: _Job, *, error: BaseException | None = None, info: Any = None) -> None:
+        future = job.pending._future
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(info)
 
     # -- waiting, and the end ---------------------------------------------------------------------------
     def in_flight(self) -> str | None:
@@ -506,7 +474,7 @@ class SnapshotPipeline:
         """Training failed (the process lives on): the newest snapshot, still in publication or resting before its
         upload, becomes a must-upload, so that a retry (which waits for what is in flight) resumes from it, even where
         it cannot read this machine's tier (the tier is off, or the retry runs elsewhere)."""
-        self.wait_published()
+        self._wait_published()
         with self._lock:
             if self._uploading is not None:
                 self._uploading.must_upload = True  # wait() waits for it: it may be the newest
@@ -523,9 +491,9 @@ class SnapshotPipeline:
         """Blocks until every must-upload snapshot taken so far is committed; re-raises the failure of one that was
         not. TimeoutError after ``timeout`` seconds (the uploads go on)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        published = self._published
-        if published is not None:
-            published.result(timeout=timeout)
+        publishing = self._publishing
+        if publishing is not None:
+            publishing.result(timeout=timeout)
         with self._lock:
             while self._queued or (self._uploading is not None and self._uploading.must_upload):
                 left = None if deadline is None else deadline - time.monotonic()
@@ -550,7 +518,9 @@ class SnapshotPipeline:
                 self._timer.cancel()
         self._publisher.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
-        self.slots.close()
+        for slot in self._slots.values():
+            self._unpin(slot)
+        self._slots.clear()
         if self.tier is not None:
             self.tier.close()
 
@@ -559,6 +529,27 @@ class SnapshotPipeline:
         assert self.tier is not None
         records = list(self.tier.records(self.rank))
         return max(records, key=lambda r: r[1].seq)[0] if records else None
+
+
+def _unpin(slot: Slot) -> None:
+    if slot.registered_ptr is not None:
+        torch.cuda.cudart().cudaHostUnregister(slot.registered_ptr)
+        slot.registered_ptr = None
+
+
+def _unpin_all(slots: dict[int, Slot]) -> None:
+    for slot in slots.values():
+        _unpin(slot)
+
+
+def _absorb_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error to be reported by the next kernel launch, which would fail training
+    at some unrelated operation: launch one here and take the stale error (the launch check reads and clears it)."""
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        log.debug("cleared the error a failed page-lock left: %s", exc)
 
 
 def _delete_superseded(store: Any, newest: Any) -> None:

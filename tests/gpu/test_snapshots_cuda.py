@@ -129,7 +129,7 @@ def test_the_step_after_a_snapshot_waits_for_its_copy_so_the_tier_holds_the_stat
         checkpointer.snapshot(s, {"train_loss": 0.0})
         expected = {k: v.detach().to("cpu", copy=True) for k, v in s.model.state_dict().items()}
         step()  # at once: its kernels must wait for the snapshot's copy, or the copy reads updated weights
-        checkpointer.snapshots.wait_published()
+        checkpointer.snapshots._wait_published()
         tier = HostTier(store.uri)
         index, record = max(tier.records(0), key=lambda r: r[1].seq)
         saved = tier.load(index, record, 0)["state.pt"]["state"]["model"]

@@ -23,7 +23,7 @@ from checkpointing.commit import Committer, CommitTerms, PendingCommit, Retentio
 from checkpointing.host_tier import HostTier, TierUnavailable
 from checkpointing.host_tier_gc import claim_of, sweep_on_open
 from checkpointing.names import checkpoint_name
-from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline, Stats, Taken
+from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline
 from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
 from training.position.iterable import StatefulIterable
@@ -70,12 +70,10 @@ class Checkpointer:
         self.snapshots = self._pipeline() if world.rank == 0 or self.sharded else None
         self._claim: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None  # what every manifest of the run says of it (``metadata``)
-        self._figures = Stats()  # this unit's snapshots (a Checkpointer lives one unit)
 
     def save(self, s: Session, metrics: Mapping[str, float]) -> Saved:
         """A unit's checkpoint: the session's state bundle, its progress and every rank's RNG state. Every rank calls
-        it; ``metrics`` (the unit's) go into the manifest, with its snapshots' figures (``snapshot_figures``)."""
-        metrics = {**metrics, **self.snapshot_figures()}
+        it; ``metrics`` (the unit's) go into the manifest."""
         if self.config.parallelism == "fsdp":
             return self._save_shards(s, metrics)
         s.rng_state = self._rank_state(s)
@@ -117,28 +115,10 @@ class Checkpointer:
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True}
         self._hook(s)
         try:
-            return self._count(self._take(progress, objects, metadata, must_upload=False))
+            return self._take(progress, objects, metadata, must_upload=False).seconds
         except TypeError as exc:
             self._fall_back(exc)
             return None
-
-    def _count(self, taken: Taken) -> float:
-        """The unit's snapshot figures: copies, waits for a buffer and skips, apart (``snapshot_figures``)."""
-        self._figures.add(taken)
-        return taken.seconds
-
-    def snapshot_figures(self) -> dict[str, float]:
-        """What this unit's snapshots cost the training thread, apart from their whole stall
-        (``snapshot_seconds_max``): the longest copy, the longest wait for a buffer, and the snapshots skipped because
-        no buffer was free and ready (the run's first, whose buffers are made in the background)."""
-        f = self._figures
-        if not f.taken and not f.skipped:
-            return {}
-        return {
-            "snapshot_copy_seconds_max": f.copy_seconds_max,
-            "snapshot_wait_seconds_max": f.wait_seconds_max,
-            "snapshots_skipped": float(f.skipped),
-        }
 
     def _snapshot_shards(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """parallelism='fsdp': this rank's shards, the small parts and its RNG state, into this machine's memory."""
@@ -155,7 +135,7 @@ class Checkpointer:
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True, "parallelism": "fsdp"}
         self._hook(s)
         try:
-            return self._count(self._take(progress, objects, metadata, must_upload=False, upload=False))
+            return self._take(progress, objects, metadata, must_upload=False, upload=False).seconds
         except TypeError as exc:
             self._fall_back(exc)
             return None
@@ -256,7 +236,7 @@ class Checkpointer:
         metadata: dict[str, Any],
         must_upload: bool,
         upload: bool = True,
-    ) -> Taken:
+    ) -> Any:
         assert self.snapshots is not None
         terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
         # A snapshot inside a unit gets its store name when it is uploaded (naming reads the store); its record in host
