@@ -229,7 +229,7 @@ def cmd_verify(args, options) -> int:
     store, name = _run_store(args.uri, options)
     name = validate_name(args.name, "--name") if args.name else name
     listed = [i.name for i in store.list()]  # oldest first; then the folders whose manifest cannot be read (BAD)
-    names = [name] if name else listed + [n for n in store._folders() if n not in listed]
+    names = [name] if name else listed + [n for n in store.folders() if n not in listed]
     if not names:
         print(f"no checkpoints in {printable(store.uri)}", file=sys.stderr)
         return 1

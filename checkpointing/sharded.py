@@ -3,7 +3,7 @@
 DCP lets every rank write its own shards in parallel and load them back at any world size. It commits by
 writing ``.metadata`` last and trusts what it reads; we keep our protocol instead: each rank streams its
 files through a hashing writer, rank 0 gathers every rank's (file, size, sha256) after DCP finishes, and
-commits them with ``CheckpointStore._commit_files`` (manifest, then ``latest``, fenced). So ``check``,
+commits them with ``CheckpointStore.commit_files`` (manifest, then ``latest``, fenced). So ``check``,
 ``verify``, fallback and retention treat a sharded checkpoint as a checkpoint with more files.
 
 On load nothing is deserialized unless the manifest vouches for its bytes. DCP reads ``.metadata`` with
@@ -82,7 +82,7 @@ def save_state(
     the committed checkpoint or the same error. ``progress``/``metadata``/``writer``: rank 0's count."""
     ranks.on_every_rank(lambda: [validate_file_name(f) for f in files or {}])  # names become paths: before writing
     writer = writer or Writer.current()
-    ranks.on_rank0(lambda: store._begin(name, writer))
+    ranks.on_rank0(lambda: store.begin_commit(name, writer))
     prefix = f"{CHECKPOINTS}/{name}"
     entries = ranks.on_every_rank(
         lambda: {f: write_object(store.storage, f"{prefix}/{f}", o) for f, o in (files or {}).items()}
@@ -94,7 +94,7 @@ def save_state(
     everyone = ranks.gather_to_rank0(entries)
     meta = {**(metadata or {}), "format": FORMAT, "world_size": (ranks.group() or (0, 1))[1]}
     return ranks.on_rank0(
-        lambda: store._commit_files(name, _merged(everyone), progress=progress, metadata=meta, writer=writer)
+        lambda: store.commit_files(name, _merged(everyone), progress=progress, metadata=meta, writer=writer)
     )
 
 

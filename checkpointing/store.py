@@ -151,16 +151,14 @@ class CheckpointStore:
     # -- reading -------------------------------------------------------------------------------
     def list(self) -> builtins.list[CheckpointInfo]:
         """Checkpoints whose manifest exists and parses, oldest first (not yet verified)."""
-        infos = [i for i in map(self.info, self._names()) if i is not None]
+        infos = [i for i in map(self.info, self.folders()) if i is not None]
         return sorted(infos, key=lambda i: i.manifest.order)
 
-    def _folders(self) -> builtins.list[str]:
-        """Every checkpoint folder's name, sorted, its manifest readable or not (``list`` gives only the readable)."""
-        return sorted(self._names())
-
-    def _names(self) -> builtins.list[str]:
-        """Folders under ``checkpoints/`` with checkpoint names. Others (a person's ``ep1-ba8-sa256 copy``) are
-        not the store's: left alone (never read, pruned or listed), reported once."""
+    def folders(self) -> builtins.list[str]:
+        """Every folder under ``checkpoints/`` with a checkpoint name, sorted, its manifest readable or not (``list``
+        gives only the readable; verify and the torn-folder sweep need the others too). Folders with other names (a
+        person's ``ep1-ba8-sa256 copy``) are not the store's: left alone (never read, pruned or listed), reported
+        once."""
         names = []
         for name in self.storage.list_dirs(CHECKPOINTS):
             if is_valid_name(name):
@@ -170,7 +168,7 @@ class CheckpointStore:
                     f"{self.uri}/{CHECKPOINTS}/{printable(name)[:200]}",
                     "not a checkpoint name; this folder is not the store's and is left alone",
                 )
-        return names
+        return sorted(names)
 
     def _warn_once(self, where: str, problem: str) -> None:
         if where not in self._warned:
@@ -252,7 +250,7 @@ class CheckpointStore:
         ``latest`` is the fast path: only checkpoints whose name says they got further are read besides it
         (a process killed between its manifest and ``latest`` left one); without a usable ``latest``, every
         manifest is read."""
-        names = self._names()
+        names = self.folders()
         latest = self.read_pointer()
         head = self._pointed(latest, names) if latest else None
         roll_backs = self._roll_backs(latest, filter(None, [head]))
@@ -346,16 +344,17 @@ class CheckpointStore:
             self._in_flight.discard(name)
             _WRITING.discard((self.uri, name))
 
-    def _begin(self, name: str, writer: Writer) -> None:
-        """Makes way for files that ``_commit_files`` will commit: checks the fence (a stale writer writes
-        nothing), un-commits a checkpoint of the same name and removes its files (a retry at another world
-        size would otherwise leave stray shards)."""
+    def begin_commit(self, name: str, writer: Writer) -> None:
+        """The first step of a commit whose files others write (streamed, or DCP shards of several ranks) and
+        ``commit_files`` finishes: checks the fence (a stale writer writes nothing), un-commits a checkpoint of the
+        same name and removes its files (a retry at another world size would otherwise leave stray shards), and
+        marks the folder as being written (the torn-folder sweep leaves it alone)."""
         validate_name(name, "checkpoint name")
         self.check_fence(writer)
         self.delete(name)
-        _WRITING.add((self.uri, name))  # until _commit_files ends (a write that fails before leaves it: kept here)
+        _WRITING.add((self.uri, name))  # until commit_files ends (a write that fails before leaves it: kept here)
 
-    def _commit_files(
+    def commit_files(
         self,
         name: str,
         entries: dict[str, FileEntry],
@@ -364,8 +363,9 @@ class CheckpointStore:
         metadata: dict[str, Any] | None = None,
         writer: Writer | None = None,
     ) -> CheckpointInfo:
-        """Commits files already written under ``checkpoints/<name>/`` (by several processes, or streamed),
-        as ``commit`` does after its own writes."""
+        """The last step of a commit that ``begin_commit`` began: checks that the files already written under
+        ``checkpoints/<name>/`` (by several processes, or streamed) landed as ``entries`` says, then writes the
+        manifest and moves ``latest``, fenced, as ``commit`` does after its own writes."""
         validate_name(name, "checkpoint name")
         for fname in entries:
             validate_file_name(fname)
@@ -527,7 +527,7 @@ class CheckpointStore:
             return None  # a new run, or one whose latest was never written: nothing to repair
         except DamagedFileError:
             latest = None
-        if latest is not None and self._pointed(latest, self._names()) is not None:
+        if latest is not None and self._pointed(latest, self.folders()) is not None:
             return None
         newest = self.latest()
         if newest is None:

@@ -149,6 +149,6 @@ def save_streaming(
     for fname in objects:
         validate_file_name(fname)
     writer = writer or Writer.current()
-    store._begin(name, writer)
+    store.begin_commit(name, writer)
     entries = {f: write_object(store.storage, f"{CHECKPOINTS}/{name}/{f}", obj) for f, obj in objects.items()}
-    return store._commit_files(name, entries, progress=progress, metadata=metadata, writer=writer)
+    return store.commit_files(name, entries, progress=progress, metadata=metadata, writer=writer)

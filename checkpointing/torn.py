@@ -48,7 +48,7 @@ def generation_in_name(name: str) -> int | None:
 def torn_folders(store: CheckpointStore) -> list[str]:
     """Folders with a checkpoint name and no ``manifest.json`` at all (one that is there but does not read is damage
     to a committed checkpoint, not this), sorted."""
-    names = store._names()
+    names = store.folders()
     if not names:
         return []
     files = store.storage.sizes(CHECKPOINTS)

@@ -15,13 +15,13 @@ def test_commit_files_refuses_a_file_that_did_not_land_as_reported(backend):
     folder, options = backend
     store = CheckpointStore(folder, "r", storage_options=options)
     entry = write_object(store.storage, "checkpoints/c/a.pt", {"x": torch.ones(3)})
-    store._commit_files("c", {"a.pt": entry}, progress={})
+    store.commit_files("c", {"a.pt": entry}, progress={})
     write_object(store.storage, "checkpoints/d/a.pt", {"x": torch.ones(3)})
     longer = type(entry)(entry.size + 1, entry.sha256)
     with pytest.raises(
         CheckpointError, match=rf"d/a.pt: size {entry.size} != {entry.size + 1} in manifest; d/b.pt: missing"
     ):
-        store._commit_files("d", {"a.pt": longer, "b.pt": entry}, progress={})
+        store.commit_files("d", {"a.pt": longer, "b.pt": entry}, progress={})
     assert [i.name for i in store.list()] == ["c"] and store.read_pointer()["name"] == "c"
 
 

@@ -151,5 +151,5 @@ def test_on_every_store_verify_tells_a_leftover_and_the_next_claim_removes_torn_
     assert code == 1 and "ep0-ba3-sa48: BAD: ep0-ba3-sa48: no readable manifest.json" in out  # generation unknown
 
     assert store.claim_generation(label="next") == 3
-    assert store._folders() == ["ep0-ba1-sa16", "ep0-ba2-sa32"]
+    assert store.folders() == ["ep0-ba1-sa16", "ep0-ba2-sa32"]
     assert checkpoint_cli(["verify", store.uri, "--storage-options", json.dumps(options or {})]) == 0
