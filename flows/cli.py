@@ -30,6 +30,7 @@ from training import preemption
 from training.config import ConfigError, TrainConfig, describe_error, load_config
 from training.config.sources import BoundedCliSource
 from training.config.text import short
+from training.exceptions import UsageError
 from training.preemption import INTERRUPTED, Preempted
 
 VERBOSE_FLAGS = ("--verbose", "-v")
@@ -153,7 +154,7 @@ def run_checked(
     except Preempted as exc:
         code = preemption.exit_code(exc.stop)
         return fail(f"{subject} {exc.describe()}; run the same command again to resume", code)
-    except ConfigError as exc:
+    except UsageError as exc:  # a configuration, a report or a loop that cannot work: exit 2, as for a flag
         return fail(str(exc), 2)
     except (CheckpointError, StorageError) as exc:
         return fail(f"{subject}: {exc}", 1)

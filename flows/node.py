@@ -21,6 +21,7 @@ from flows import ship_module_logs
 from training.config import ConfigError, TrainConfig, describe_error
 from training.distributed.node_run import run_node
 from training.distributed.nodes import SECRET_ENV, verify_offer
+from training.exceptions import OfferRefused
 
 
 @flow(name="rank-node", validate_parameters=True)
@@ -31,7 +32,7 @@ def rank_node(offer: dict[str, Any], config: dict[str, Any]) -> str | State:
     try:
         accepted = verify_offer(offer, config, os.environ.get(SECRET_ENV))  # before anything else
         train_config = TrainConfig(**config)
-    except (ConfigError, ValidationError) as refused:
+    except (OfferRefused, ConfigError, ValidationError) as refused:
         line = describe_error(refused) if isinstance(refused, ValidationError) else str(refused)
         logger.error("%s", line)
         return Failed(message=line)

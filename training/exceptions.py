@@ -1,6 +1,6 @@
 """Every error of a run above the checkpoint layer, in one leaf module (checkpointing/errors.py holds the layer's own).
 
-An error that no retry can cure carries the ``Permanent`` marker, directly or through ``ConfigError``: the unit's
+An error that no retry can cure carries the ``Permanent`` marker, directly or through ``UsageError``: the unit's
 retry policy (tasks/train_unit.py) reads the marker, and a rank's error crosses the torchrun boundary as the same type
 (training/distributed/errors.py) because its class is in one of the two modules. A new error class goes here (or
 there), so both see it without a list to update.
@@ -26,20 +26,26 @@ __all__ = [
     "RemoteError",
     "ReportError",
     "RestartLimitError",
+    "UsageError",
 ]
 
 
 # -- mistakes: the same inputs fail the same way -------------------------------------------------------------------
-class ConfigError(ValueError, Permanent):
-    """A configuration value the run cannot use. Never retried."""
+class UsageError(ValueError, Permanent):
+    """What the run was given cannot work: its configuration, or the recipe's own code. Never retried (it would fail
+    the same way); the command line says it in one line and exits 2 (flows/cli.py)."""
 
 
-class ReportError(ConfigError):
-    """``ctx.report`` was given something it cannot commit safely. Never retried: it would fail the same way."""
+class ConfigError(UsageError):
+    """A configuration value the run cannot use."""
 
 
-class LoopEndedEarlyError(ConfigError):
-    """``train_loop`` returned before any report reached ``max_duration``. Never retried."""
+class ReportError(UsageError):
+    """``ctx.report`` was given something it cannot commit safely."""
+
+
+class LoopEndedEarlyError(UsageError):
+    """``train_loop`` returned before any report reached ``max_duration``."""
 
 
 class DataError(ValueError, Permanent):
@@ -47,8 +53,9 @@ class DataError(ValueError, Permanent):
     message names the shard and the fix. Never retried: the same data fails the same way."""
 
 
-class OfferRefused(ConfigError):
-    """A node offer that this worker will not act on (unsigned, forged, expired or malformed): nothing is started."""
+class OfferRefused(ValueError, Permanent):
+    """A node offer that this worker will not act on (unsigned, forged, expired or malformed): nothing is started.
+    Not a mistake of the run's: whoever made the offer is not trusted, and the node says so (flows/node.py)."""
 
 
 # -- failures a retry may cure -------------------------------------------------------------------------------------

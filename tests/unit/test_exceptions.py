@@ -91,6 +91,7 @@ NOT_RETRIED_BEFORE = [
     "TrialFailed",  # added with sweeps: a trial whose run failed is recorded, not started again
     "TrialStopped",  # ... nor one stopped on request (the sweep's relaunch resumes it)
     "UnsafeCheckpointError",
+    "UsageError",  # the base of the mistakes (issue 47): ConfigError, ReportError, LoopEndedEarlyError
 ]
 # Exceptions that stay beside the code that raises them: a stop that carries its Stop, not an error (a BaseException
 # like KeyboardInterrupt, rebuilt field by field at the boundary), and the deployment stack's own tooling, never part
@@ -165,8 +166,16 @@ def test_the_marker_sits_on_exactly_the_errors_that_were_never_retried():
 
 def test_the_bases_that_callers_catch_are_kept():
     assert issubclass(exceptions.ConfigError, ValueError)
-    for name in ("ReportError", "LoopEndedEarlyError", "OfferRefused"):
-        assert issubclass(REBUILT[name], exceptions.ConfigError), name
+    # a bad report and a loop that ended early are the recipe's mistakes, not configuration values (issue 47), and a
+    # refused node offer is no mistake of the run's: each carries the marker without being dressed as a ConfigError
+    for name in ("ReportError", "LoopEndedEarlyError"):
+        assert issubclass(REBUILT[name], exceptions.UsageError) and not issubclass(
+            REBUILT[name], exceptions.ConfigError
+        )
+    assert issubclass(exceptions.ConfigError, exceptions.UsageError)
+    assert issubclass(exceptions.OfferRefused, ValueError) and not issubclass(
+        exceptions.OfferRefused, exceptions.UsageError
+    )
     for name in ("NotACheckpointError", "WeightsError", "MindSporeFormatError"):
         assert issubclass(REBUILT[name], checkpoint_errors.CheckpointError) and issubclass(REBUILT[name], ValueError)
     assert issubclass(checkpoint_errors.UnsafePathError, FileNotFoundError)
@@ -202,3 +211,21 @@ def test_an_error_of_another_type_comes_back_as_a_retried_remote_error():
     rebuilt = error_from_record(error_record(KeyError("x"), rank=0))
     assert type(rebuilt) is RemoteError and str(rebuilt) == "KeyError: 'x' (on rank 0)"
     assert retry_unless_permanent(None, None, SimpleNamespace(data=rebuilt)) is True
+
+
+@pytest.mark.parametrize(
+    "error,code", [("ConfigError", 2), ("ReportError", 2), ("LoopEndedEarlyError", 2), ("DataError", 1)]
+)
+def test_the_command_line_exits_2_for_every_mistake_and_1_for_a_failure(error, code, monkeypatch, capsys, tmp_path):
+    import contextlib
+
+    from flows import cli
+    from training.config import TrainConfig
+
+    def flow(config):
+        raise REBUILT[error]("what went wrong")
+
+    monkeypatch.setattr(cli, "prefect_api", lambda: contextlib.nullcontext("http://unused"))
+    config = TrainConfig(save_folder=str(tmp_path / "runs"), run_name="m")
+    assert cli.run_checked(flow, config, {}, str, verbose=True) == code
+    assert "what went wrong" in capsys.readouterr().err
