@@ -1,6 +1,8 @@
 """A run fed by a stateful IterableDataset (training/position/iterable.py), really SIGKILLed mid-unit while it snapshots
 every step, relaunched with the same command: the relaunch loads the stream's state saved beside its RNG state in the
-newest snapshot and ends with the weights of a run that was never killed."""
+newest snapshot and ends with the weights of a run that was never killed. With ``num_workers=2`` the stream is read by two
+loader worker processes (killed with it: they are in its process group), and the state saved is torchdata's
+StatefulDataLoader's, every worker's stream state in it (training/position/stream_workers.py)."""
 
 from __future__ import annotations
 
@@ -20,21 +22,29 @@ from tests.conftest import HOST_TIER_DIR, ROOT, wait_until
 
 pytestmark = pytest.mark.slow
 RECIPE = "tests.stateful_iterable_recipes:CountingStreamRecipe"
+WORKERS_RECIPE = "tests.stream_worker_recipes:WorkerCountingStreamRecipe"  # each worker draws its share of the stream
 STEP = re.compile(r"unit \d+: step (\d+),")
 STARTED = re.compile(r"unit \d+ \(attempt \d+\): starting from (.+) at epoch \d+, step (\d+),")
 
 
-def command(folder: str) -> list[str]:
+def command(folder: str, recipe: str = RECIPE, num_workers: int = 0, steps: int = 40) -> list[str]:
     return [
         sys.executable, "-m", "tests.run_lifecycle", "--run_name", "k", "--save_folder", folder,
-        "--recipe", RECIPE, "--recipe_args", json.dumps({"hidden": 1024, "num_layers": 3}),
-        "--max_duration", "40ba", "--save_interval", "10ba", "--snapshot_interval", "1ba",
-        "--global_batch_size", "32", "--seed", "7", "--log_every_n_steps", "1",
+        "--recipe", recipe, "--recipe_args", json.dumps({"hidden": 1024, "num_layers": 3}),
+        "--max_duration", f"{steps}ba", "--save_interval", "10ba", "--snapshot_interval", "1ba",
+        "--global_batch_size", "32", "--seed", "7", "--log_every_n_steps", "1", "--num_workers", str(num_workers),
     ]  # fmt: skip
 
 
+ENV = {
+    "PYTHONPATH": str(ROOT),
+    "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR,
+    "TRAIN_ALLOWED_RECIPES": f"{RECIPE},{WORKERS_RECIPE}",
+}
+
+
 def run(cmd: list[str], log: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR, "TRAIN_ALLOWED_RECIPES": RECIPE}
+    env = {**os.environ, **ENV}
     with open(log, "w") as out:
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
     assert done.returncode == 0, log.read_text()[-4000:]
@@ -43,7 +53,7 @@ def run(cmd: list[str], log: Path) -> str:
 
 def kill_mid_unit(cmd: list[str], log: Path) -> int:
     """Starts ``cmd`` and SIGKILLs its process group once step 13 (inside the second unit) is done."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR, "TRAIN_ALLOWED_RECIPES": RECIPE}
+    env = {**os.environ, **ENV}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -61,5 +71,19 @@ def test_a_stateful_stream_killed_mid_unit_resumes_from_its_snapshot_bit_identic
     text = run(command(killed), tmp_path / "relaunched.log")
     started = STARTED.search(text)
     assert started and 10 < int(started.group(2)) < 40 and finished < 40, (finished, text[-4000:])  # mid-unit
+    a, b = model_weights(f"{reference}/k", None)[0], model_weights(f"{killed}/k", None)[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stateful_stream_read_by_two_workers_killed_mid_unit_resumes_bit_identical(tmp_path):
+    pytest.importorskip("torchdata")
+    reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
+    workers = {"recipe": WORKERS_RECIPE, "num_workers": 2, "steps": 20}
+    run(command(reference, **workers), tmp_path / "reference.log")
+    finished = kill_mid_unit(command(killed, **workers), tmp_path / "killed.log")
+    text = run(command(killed, **workers), tmp_path / "relaunched.log")
+    started = STARTED.search(text)
+    assert started and 10 < int(started.group(2)) < 20 and finished < 20, (finished, text[-4000:])  # mid-unit
+    assert "stream workers started (num_workers=2)" in text  # the relaunch's own workers, from the saved state
     a, b = model_weights(f"{reference}/k", None)[0], model_weights(f"{killed}/k", None)[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

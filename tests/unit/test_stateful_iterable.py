@@ -70,13 +70,6 @@ def test_a_changed_global_batch_size_is_refused_in_one_line_and_nothing_is_writt
     assert CheckpointStore(config.save_folder, config.run_name).latest().name == before
 
 
-def test_loader_workers_are_refused_for_a_stateful_stream(make_config):
-    with pytest.raises(ConfigError, match=r"^num_workers=2: a stateful CountingStream .*ShardedDataset") as caught:
-        train_all(stream_config(make_config, num_workers=2), cold=True)
-    assert "\n" not in str(caught.value)
-    assert CheckpointStore(make_config().save_folder, "r").latest() is None
-
-
 def test_a_stream_without_len_has_no_epochs(make_config):
     with pytest.raises(ConfigError, match=r"^max_duration=2ep: .*CountingStream, a stream without len\(\)"):
         train_all(stream_config(make_config, max_duration="2ep"), cold=True)

@@ -27,6 +27,7 @@ from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.exceptions import InjectedFault
 from training.metrics.log import MetricLog, metrics_for
+from training.position.iterable import loader_workers
 from training.position.progress import crossed, ends_unit, is_complete, samples_left, unit_index
 from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted, SaveBudget, Stop
@@ -403,8 +404,9 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
         order=getattr(s.dataset, "epoch_order", None),
     )
     # Every loader has a generator of its own: starting an iteration draws a seed from it, and from torch's global
-    # generator (the run's own, checkpointed) without one.
-    if not config.num_workers:
+    # generator (the run's own, checkpointed) without one. A stateful stream is read in this process: its workers, if
+    # any, are its own (training/position/iterable.py).
+    if not loader_workers(s.dataset, config.num_workers):
         return sampler, DataLoader(
             s.dataset,
             batch_sampler=sampler,

@@ -16,7 +16,7 @@ import torch
 from checkpointing import CheckpointStore, LoadedCheckpoint
 from checkpointing.store import STATE_FILE
 from training.config import ConfigError, TrainConfig
-from training.position.iterable import StatefulIterable, check_options
+from training.position.iterable import StatefulIterable, prepare_stream
 from training.position.progress import Progress, rescaled
 from training.recipe.context import RunContext
 from training.recipe.hooks import Hooks
@@ -98,7 +98,7 @@ def restore(config: TrainConfig, store: CheckpointStore, world: World = SINGLE_P
     recipe = load_recipe(config, ctx)
     hooks = Hooks.of(recipe)
     dataset = open_dataset(recipe)
-    check_options(dataset, config.num_workers, config.parallelism)
+    prepare_stream(dataset, config, world.rank, world.size)  # and with num_workers > 0, the workers that read it
     rng.seed_all(config.seed)
     if config.parallelism == "fsdp":
         return _restore_sharded(config, store, world, recipe, dataset, ctx)
