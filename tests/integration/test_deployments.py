@@ -6,7 +6,8 @@ flow-run process killed mid-unit comes back as the same flow run and resumes fro
 run that keeps dying stops at max_restarts as Failed; scheduled retraining warm-starts from the released
 model and promotes only models that are not worse, gives two ticks in one minute runs of their own, and
 resumes a killed tick under its own name; a whole dead machine (worker and run, nobody left to report)
-is noticed by its missing heartbeats and restarted on another worker; and a link planted in, or swapped into,
+is noticed by its missing heartbeats and restarted on another worker, while a flow run outside a deployment,
+silent as long, is never marked; and a link planted in, or swapped into,
 the worker's allowed roots fails a run in one line with nothing read or written outside, as does data outside them
 or a data endpoint of the run's own. One server and worker
 serve the module, shared with this pytest process's other system modules on SQLite (tests/integration/conftest.py);
@@ -24,6 +25,7 @@ import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from uuid import UUID, uuid4
 
 import pytest
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
@@ -263,7 +265,18 @@ def test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_check
 
 
 def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another_worker(prefect_stack, tmp_path):
+    """A whole dead machine (worker and run) is marked Crashed by the heartbeat rule and restarted elsewhere.
+
+    The same silence carries issue 44, item 3: every `python -m flows.sweep` flow run longer than the heartbeat window
+    against a stack's server was marked `Crashed: no heartbeat` while alive. The heartbeat rule (and the reconciler)
+    watch deployment runs only: a flow run of the sweep flow started from the CLI, which sent a heartbeat before the
+    deployment run started and then none for twice the window, stays Running, while the rule marks the dead
+    deployment run Crashed inside that time. (With the rule matched on the training *flows*, as before, it is Crashed
+    within the window.)"""
     folder, markers = tmp_path / "runs", tmp_path / "markers"
+    with client(prefect_stack) as c:
+        cli_run = cli_run_with_one_heartbeat(c)
+    silent_until = time.monotonic() + 2 * HEARTBEAT_WITHIN_SECONDS
     run_id = start_run(prefect_stack, "train/default", {"config": pause_config(folder, "machine", markers)})
     wait_for(lambda: (markers / "paused").exists(), 240, "the run to reach unit 1")
 
@@ -278,6 +291,33 @@ def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another
     assert crashed and "no heartbeat" in crashed[0].message  # marked by the heartbeat automation
     assert sorted(checkpoints(folder, "machine")) == ["ep1-ba8-sa256", "ep2-ba16-sa512", "ep3-ba24-sa768"]
     logs_containing(prefect_stack, run_id, "unit 1 (attempt 1): starting from checkpoint ep1-ba8-sa256 at epoch 1")
+
+    with client(prefect_stack) as c:  # the CLI run, silent as long as the dead run and more: twice the window
+        while True:
+            state = c.read_flow_run(cli_run).state
+            assert state.type == StateType.RUNNING, f"{state.type.value}: {state.message}"
+            if time.monotonic() > silent_until:
+                break
+            time.sleep(2)
+
+
+def cli_run_with_one_heartbeat(c) -> UUID:
+    """A Running flow run of the sweep flow with no deployment (what a CLI sweep creates) and one heartbeat event."""
+    from prefect.states import Running
+
+    from flows.sweep import sweep
+
+    run = c.create_flow_run(sweep, name="cli-sweep", parameters={})
+    c.set_flow_run_state(run.id, Running(), force=True)
+    beat = {
+        "id": str(uuid4()),
+        "occurred": datetime.now(UTC).isoformat(),
+        "event": "prefect.flow-run.heartbeat",
+        "resource": {"prefect.resource.id": f"prefect.flow-run.{run.id}"},
+        "related": [{"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow"}],
+    }
+    c.request("POST", "/events", json=[beat]).raise_for_status()
+    return run.id
 
 
 def test_a_run_parameter_cannot_choose_code_or_storage_options(prefect_stack, tmp_path):
@@ -392,33 +432,3 @@ def test_a_deployment_runs_data_lies_under_the_roots_and_its_endpoint_is_the_wor
         assert not (tmp_path / "runs").exists()  # refused before anything was claimed
     finally:
         listener.close()
-
-
-def test_a_run_outside_a_deployment_whose_heartbeats_stop_is_never_marked_crashed(prefect_stack):
-    """Issue 44, item 3: every `python -m flows.sweep` flow run longer than the heartbeat window against a stack's
-    server was marked `Crashed: no heartbeat` while alive. The heartbeat rule (and the reconciler) watch deployment
-    runs only: a flow run of the sweep flow started from the CLI that sent a heartbeat and then none for twice the
-    window stays Running. (With the rule matched on the training *flows*, as before, it is Crashed within the window.)"""
-    from uuid import uuid4
-
-    from prefect.states import Running
-
-    from flows.sweep import sweep
-
-    with client(prefect_stack) as c:
-        run = c.create_flow_run(sweep, name="cli-sweep", parameters={})  # the flow a CLI sweep runs, no deployment
-        c.set_flow_run_state(run.id, Running(), force=True)
-        beat = {
-            "id": str(uuid4()),
-            "occurred": datetime.now(UTC).isoformat(),
-            "event": "prefect.flow-run.heartbeat",
-            "resource": {"prefect.resource.id": f"prefect.flow-run.{run.id}"},
-            "related": [{"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow"}],
-        }
-        c.request("POST", "/events", json=[beat]).raise_for_status()
-
-        deadline = datetime.now(UTC) + timedelta(seconds=2 * HEARTBEAT_WITHIN_SECONDS)
-        while datetime.now(UTC) < deadline:
-            state = c.read_flow_run(run.id).state
-            assert state.type == StateType.RUNNING, f"{state.type.value}: {state.message}"
-            time.sleep(2)
