@@ -366,7 +366,7 @@ def render_kills(out: dict[str, list[tuple[int, int]]], k: int, window: float) -
 def measure_restore(reps: int) -> tuple[int, dict[str, list[float]]]:
     """Restore of the same ~200 MB state: from the tier (``newest_snapshot``) and from the store (``load_latest``)."""
     from checkpointing.commit import Committer
-    from checkpointing.host_tier import HostTier
+    from checkpointing.host_tier.tier import HostTier
     from training.unit.checkpointer import Checkpointer
     from training.unit.host_memory import newest_snapshot
 

@@ -25,8 +25,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpointing import host_tier_gc
 from checkpointing.errors import CheckpointError, StorageError
+from checkpointing.host_tier import gc
 from checkpointing.io.protocols import check_store_url
 from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import printable
@@ -292,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
         help="torch (default) or safetensors (the default for a .safetensors name); the recipe, recipe_args and "
         "product version go beside the weights",
     )
-    host_tier_gc.add_parser(sub)
+    gc.add_parser(sub)
     return parser
 
 
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        command = {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export, "gc": host_tier_gc.cmd_gc}[args.command]
+        command = {"ls": cmd_ls, "verify": cmd_verify, "export": cmd_export, "gc": gc.cmd_gc}[args.command]
         return command(args, options)
     except (CheckpointError, StorageError, ValueError, OSError) as exc:  # LedgerError is a CheckpointError
         print(f"error: {printable(exc)}", file=sys.stderr)

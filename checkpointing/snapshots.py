@@ -5,7 +5,7 @@ on; checksums, the host-memory tier's record and the upload to the store happen 
 ``copy_`` each; CUDA tensors on a side stream into pinned memory, the copy overlapping the next forward and
 backward: ``before_step`` makes the next ``optimizer.step()`` wait for it on the GPU, not on the host). Then:
 
-1. the publish thread waits for the copy, checksums the slot and writes its record (checkpointing/host_tier.py):
+1. the publish thread waits for the copy, checksums the slot and writes its record (checkpointing/host_tier/tier.py):
    from then on a relaunch on this machine can resume from it;
 2. the upload thread commits the newest published slot to the store through the one commit path (files ->
    manifest -> ``latest``: ``commit._commit_and_prune``), streaming ``torch.save`` straight from the slot. While one
@@ -43,7 +43,7 @@ from checkpointing.commit import (
     _commit_and_prune,
     with_network_weights,
 )
-from checkpointing.host_tier import (
+from checkpointing.host_tier.tier import (
     MAX_SLOTS,
     ROOT_ENV,
     TENSOR_MARK,

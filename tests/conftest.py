@@ -54,7 +54,7 @@ TEST_RECIPES = ",".join(
     ]
 )
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES
-# Snapshots that the host-memory tier keeps (checkpointing/host_tier.py) go to this session's own folder, not /dev/shm:
+# Snapshots that the host-memory tier keeps (checkpointing/host_tier/tier.py) go to this session's own folder, not /dev/shm:
 # a killed test run leaves nothing behind on the machine.
 HOST_TIER_DIR = tempfile.mkdtemp(prefix="host-tier-")
 os.environ["TRAIN_HOST_TIER_DIR"] = HOST_TIER_DIR

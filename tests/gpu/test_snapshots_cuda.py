@@ -13,7 +13,7 @@ import torch
 
 from checkpointing import CheckpointStore
 from checkpointing.commit import Committer
-from checkpointing.host_tier import HostTier
+from checkpointing.host_tier.tier import HostTier
 from training.exceptions import InjectedFault
 from training.recipe.loader import ALLOWED_ENV
 from training.run import Run, execute_unit

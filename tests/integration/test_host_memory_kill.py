@@ -84,7 +84,7 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def tier_left(folder: str, storage_options: dict | None = None) -> list[str]:
-    from checkpointing.host_tier import HostTier
+    from checkpointing.host_tier.tier import HostTier
 
     tier = HostTier(CheckpointStore(folder, "k", storage_options=storage_options).uri)
     try:

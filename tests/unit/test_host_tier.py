@@ -18,7 +18,7 @@ import torch
 from checkpointing import CheckpointStore
 from checkpointing.commit import CommitTerms
 from checkpointing.errors import TierUnavailable
-from checkpointing.host_tier import STALE_SECONDS, HostTier, Record
+from checkpointing.host_tier.tier import STALE_SECONDS, HostTier, Record
 from checkpointing.manifest import Writer
 from checkpointing.snapshots import SnapshotPipeline
 from training.exceptions import InjectedFault
@@ -321,7 +321,7 @@ def test_only_buffers_in_memory_are_page_locked_for_cuda(tmp_path):
         shutil.rmtree(in_memory)
     elsewhere = HostTier("file:///r", root=str(tmp_path))  # a disk here and in CI; whatever it is, the rule holds
     assert elsewhere.allocate(0, 4096).pinnable == (elsewhere.filesystem in ("tmpfs", "hugetlbfs"))
-    from checkpointing.host_tier import Slot
+    from checkpointing.host_tier.tier import Slot
 
     assert Slot.private(0, 4096).pinnable
 

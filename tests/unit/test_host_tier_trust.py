@@ -13,11 +13,12 @@ import stat
 
 import pytest
 
-from checkpointing import CheckpointStore, host_tier_cap
+from checkpointing import CheckpointStore
 from checkpointing.errors import TierUnavailable
-from checkpointing.host_tier import HostTier, Record, _fields_checksum, run_key
-from checkpointing.host_tier_cap import TierFull
-from checkpointing.host_tier_gc import RESUMABLE, sweep, sweep_on_open
+from checkpointing.host_tier import cap
+from checkpointing.host_tier.cap import TierFull
+from checkpointing.host_tier.gc import RESUMABLE, sweep, sweep_on_open
+from checkpointing.host_tier.tier import HostTier, Record, _fields_checksum, run_key
 from tests.unit.test_host_tier import SNAPSHOTS, _stop_after_snapshot, assert_same_weights, final_state
 from training.run import Run, execute_unit
 from training.unit import host_memory
@@ -100,13 +101,13 @@ def test_a_record_forged_whole_that_disagrees_with_its_snapshot_is_not_used(make
 
 
 def test_one_users_snapshots_are_capped_and_the_next_buffer_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv(host_tier_cap.CAP_ENV, "16K")
+    monkeypatch.setenv(cap.CAP_ENV, "16K")
     first, second = HostTier("file:///runs/a", root=str(tmp_path)), HostTier("file:///runs/b", root=str(tmp_path))
     first.allocate(0, 8192)
-    before = host_tier_cap.skipped_over_cap
+    before = cap.skipped_over_cap
     with pytest.raises(TierFull, match=r"past the cap .*TRAIN_HOST_TIER_MAX_BYTES"):
         second.allocate(0, 12288)
-    assert host_tier_cap.skipped_over_cap == before + 1
+    assert cap.skipped_over_cap == before + 1
     assert os.listdir(second.path) == []  # nothing reserved
     second.allocate(0, 4096)  # what still fits is taken
     first.close()
@@ -115,7 +116,7 @@ def test_one_users_snapshots_are_capped_and_the_next_buffer_is_refused(tmp_path,
 
 @pytest.mark.parametrize("value", ["lots", "-5", "0%", "150%"])
 def test_a_cap_that_is_not_a_size_is_one_line_naming_the_variable(tmp_path, monkeypatch, value):
-    monkeypatch.setenv(host_tier_cap.CAP_ENV, value)
+    monkeypatch.setenv(cap.CAP_ENV, value)
     tier = HostTier("file:///runs/a", root=str(tmp_path))
     with pytest.raises(TierUnavailable, match=rf"^TRAIN_HOST_TIER_MAX_BYTES='{value}' is not a size: "):
         tier.allocate(0, 4096)
@@ -126,7 +127,7 @@ def test_the_default_cap_leaves_most_of_the_file_system_free(tmp_path):
     fd = os.open(tmp_path, os.O_RDONLY)
     try:
         st = os.fstatvfs(fd)
-        assert host_tier_cap.cap_bytes(fd) == int(st.f_blocks * st.f_frsize * 0.25)
+        assert cap.cap_bytes(fd) == int(st.f_blocks * st.f_frsize * 0.25)
     finally:
         os.close(fd)
 

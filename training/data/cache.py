@@ -16,7 +16,7 @@ import threading
 from typing import IO
 
 from checkpointing.errors import TierUnavailable
-from checkpointing.host_tier import private_dir
+from checkpointing.host_tier.tier import private_dir
 from checkpointing.io.storage import Storage
 from training.data.index import INDEX_FILE, Shard, cache_folder, check_local, fetch
 from training.exceptions import DataError

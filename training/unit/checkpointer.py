@@ -20,8 +20,8 @@ from typing import Any
 from checkpointing import CheckpointStore, Writer, ranks
 from checkpointing import commit as commits
 from checkpointing.commit import Committer, CommitTerms, PendingCommit, Retention
-from checkpointing.host_tier import HostTier, TierUnavailable
-from checkpointing.host_tier_gc import claim_of, sweep_on_open
+from checkpointing.host_tier.gc import claim_of, sweep_on_open
+from checkpointing.host_tier.tier import HostTier, TierUnavailable
 from checkpointing.names import checkpoint_name
 from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline
 from checkpointing.store import STATE_FILE

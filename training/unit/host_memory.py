@@ -1,7 +1,7 @@
 """Resuming from the host-memory tier: the newest snapshot this machine holds for the run, when it is newer than the
 store's newest and belongs to the store's own history.
 
-A snapshot in ``/dev/shm`` (checkpointing/host_tier.py) outlives the process that took it, and the store goes on
+A snapshot in ``/dev/shm`` (checkpointing/host_tier/tier.py) outlives the process that took it, and the store goes on
 without it: another machine may have trained the run further, a roll-back or a start-over may have set the run back,
 the store may even have been deleted and the run begun anew under the same name. So a snapshot is taken only when
 all of these hold, and the store is used otherwise:
@@ -20,8 +20,8 @@ import logging
 from typing import Any
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
-from checkpointing.host_tier import HostTier, Record, TierUnavailable
-from checkpointing.host_tier_gc import not_resumable
+from checkpointing.host_tier.gc import not_resumable
+from checkpointing.host_tier.tier import HostTier, Record, TierUnavailable
 from checkpointing.manifest import Manifest, Writer
 from checkpointing.store import CheckpointInfo
 from training.config import TrainConfig

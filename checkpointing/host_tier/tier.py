@@ -17,7 +17,7 @@ xxHash3-128 (13-14 GB/s on one core here, against 1.5 GB/s for sha256): they gua
 not against an attacker, whom the folder's permissions keep out. Reading copies the bytes out of the slot and
 verifies the copy, so what is loaded is what was verified.
 
-Nothing here knows about training: ``training/unit/snapshots.py`` fills slots and decides which to keep.
+Nothing here knows about training: ``checkpointing/snapshots.py`` fills slots and decides which to keep.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import xxhash
 
 from checkpointing.errors import CheckpointError, TierUnavailable
-from checkpointing.host_tier_cap import allocation_lock, check_room
+from checkpointing.host_tier.cap import allocation_lock, check_room
 from checkpointing.serialization import safe_load
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing.errors import TierUnavailable
-from checkpointing.host_tier import (
+from checkpointing.host_tier.cap import folder_bytes
+from checkpointing.host_tier.tier import (
     _DIR_FLAGS,
     _RUN_KEY,
     DEFAULT_ROOT,
@@ -48,7 +49,6 @@ from checkpointing.host_tier import (
     private_dir,
     run_key,
 )
-from checkpointing.host_tier_cap import folder_bytes
 from checkpointing.io.untrusted import printable
 from checkpointing.store import CheckpointInfo, CheckpointStore
 

@@ -1,7 +1,7 @@
 """The host-memory tier's bound: how many bytes one user's snapshots may hold in shared memory, all runs together.
 
 ``/dev/shm`` is RAM. Every run that is killed and never relaunched keeps its snapshots there (up to three copies of
-its state) until a cleaner removes them (checkpointing/host_tier_gc.py), so without a bound a machine's memory fills
+its state) until a cleaner removes them (checkpointing/host_tier/gc.py), so without a bound a machine's memory fills
 run by run. The cap is the worker's to set, never a run's: ``TRAIN_HOST_TIER_MAX_BYTES`` in the environment, as a
 number of bytes (``8000000000``), with a unit (``512M``, ``8G``: powers of 1024) or as a share of the tier's file
 system (``25%``). Unset, it is ``DEFAULT_SHARE`` of that file system's size, so most of ``/dev/shm`` stays free for
