@@ -6,8 +6,8 @@ world size.
    state existed (after a tiny warm-up state, so that autograd's lazy set-up is not counted), divided by
    the state's tensor bytes. 1.0 means the save held nothing beyond the state.
        today      CheckpointStore.save: torch.save into BytesIO, getvalue(), then commit writes the bytes
-       streaming  checkpointing.streaming.save_streaming: torch.save into the store's file handle, hashed
-       dcp        checkpointing.sharded.save_state: DCP shards of the same state, one process
+       streaming  checkpointing.commit.streaming.save_streaming: torch.save into the store's file handle, hashed
+       dcp        checkpointing.commit.sharded.save_state: DCP shards of the same state, one process
 2. FSDP2 (fully_shard, gloo, CPU) save and load of a fixed MLP with Adam at world size 1 and 2, under
    torchrun: wall time of save_sharded / load_sharded (slowest rank), and each rank's own peak during save.
 
@@ -45,8 +45,9 @@ def child_rss(variant: str, folder: str, hidden: int, layers: int) -> dict:
     import gc
 
     from bench.store_throughput import checkpoint_objects
-    from checkpointing import CheckpointStore, Writer, sharded
-    from checkpointing.streaming import save_streaming, tensor_bytes
+    from checkpointing import CheckpointStore, Writer
+    from checkpointing.commit import sharded
+    from checkpointing.commit.streaming import save_streaming, tensor_bytes
 
     options = json.loads(os.environ.get("BENCH_STORAGE_OPTIONS", "{}"))  # the endpoint, never argv
     store = CheckpointStore(folder, f"m{uuid.uuid4().hex[:8]}", storage_options=options)
@@ -83,7 +84,7 @@ def child_fsdp(plan_file: str) -> None:
     from torch import nn
 
     from checkpointing import CheckpointStore, Writer
-    from checkpointing.commit import CommitTerms
+    from checkpointing.commit.committer import CommitTerms
     from training.unit import fsdp
 
     with open(plan_file) as f:

@@ -1,4 +1,4 @@
-"""Snapshots inside a unit (``snapshot_interval``, checkpointing/snapshots.py) and the host-memory tier (issue 33).
+"""Snapshots inside a unit (``snapshot_interval``, checkpointing/commit/snapshots.py) and the host-memory tier (issue 33).
 
 A. Stall per checkpoint. A real GPT session (``recipes.gpt``, one AdamW step taken so the optimizer's two buffers
    exist), ~200 MB and ~2 GB of state. Alternating, medians and p99 over ``--reps`` after ``--warmups`` (each of
@@ -90,7 +90,7 @@ def trained_session(config: Any) -> tuple[Any, Any]:
 
 
 def state_tensors(s: Any) -> list[torch.Tensor]:
-    from checkpointing.snapshots import flatten
+    from checkpointing.commit.snapshots import flatten
 
     return flatten(s.state.state_dict()).tensors
 
@@ -145,8 +145,8 @@ def snapshot_once(checkpointer: Any, s: Any, figures: Stalls) -> None:
 
 def old_ways(checkpointer: Any, s: Any, store: Any, figures: Stalls, reps: int) -> None:
     """Serialization to bytes (what async_upload stalled for) and a synchronous streamed commit, ``reps`` each."""
-    from checkpointing import commit as commits
-    from checkpointing.commit import Committer, CommitTerms
+    from checkpointing.commit import committer as commits
+    from checkpointing.commit.committer import Committer, CommitTerms
 
     committer = Committer()
     for rep in range(reps):
@@ -167,7 +167,7 @@ def old_ways(checkpointer: Any, s: Any, store: Any, figures: Stalls, reps: int) 
 
 
 def measure_stall(size: str, device: str, reps: int, warmups: int, old_reps: int, gap: float) -> Stalls:
-    from checkpointing.commit import Committer
+    from checkpointing.commit.committer import Committer
     from training.unit.checkpointer import Checkpointer
 
     config = gpt_config(SIZES[size], device, snapshot_interval="1ba")
@@ -365,7 +365,7 @@ def render_kills(out: dict[str, list[tuple[int, int]]], k: int, window: float) -
 
 def measure_restore(reps: int) -> tuple[int, dict[str, list[float]]]:
     """Restore of the same ~200 MB state: from the tier (``newest_snapshot``) and from the store (``load_latest``)."""
-    from checkpointing.commit import Committer
+    from checkpointing.commit.committer import Committer
     from checkpointing.host_tier.tier import HostTier
     from training.unit.checkpointer import Checkpointer
     from training.unit.host_memory import newest_snapshot

@@ -82,7 +82,7 @@ def model_weights(uri: str, storage_options: dict[str, Any] | None) -> tuple[dic
             break
         try:
             if info.manifest.metadata.get("format") == "dcp":
-                from checkpointing.sharded import consolidated_model  # DCP: slow to import, only for these
+                from checkpointing.commit.sharded import consolidated_model  # DCP: slow to import, only for these
 
                 return consolidated_model(store, info), info
             return _model_of(store.load(info, files=[STATE_FILE]).objects.get(STATE_FILE), info), info

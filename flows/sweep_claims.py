@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from checkpointing import CheckpointStore
+from checkpointing.commit.committer import INTERMEDIATE
 from checkpointing.io.storage import Storage
 from checkpointing.io.untrusted import printable
 from checkpointing.ledger import event_key
-from checkpointing.snapshots import INTERMEDIATE
 from flows.artifacts import unit_of
 from training.start.store import store_retry
 from training.sweep import Study, SweepConfig, Trial, checkpoint_key

@@ -42,7 +42,7 @@ from prefect.logging import get_run_logger
 from prefect.states import Cancelled, Crashed, State
 from pydantic import BaseModel
 
-from checkpointing.snapshots import INTERMEDIATE
+from checkpointing.commit.committer import INTERMEDIATE
 from training.config import TrainConfig
 from training.distributed.processes import die_with_parent
 from training.exceptions import TrialDied, TrialFailed, TrialStopped

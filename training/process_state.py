@@ -34,7 +34,7 @@ def _forgetters() -> list[Callable[[], None]]:
     return [
         close_gangs,  # torchrun's ranks kept for an attempt's units (training/distributed/gang.py)
         PROCESS.forget,  # the last unit's live session (training/unit/warm.py)
-        PROCESS.committer.drop_snapshots,  # the run's snapshot slots and threads (checkpointing/snapshots.py)
+        PROCESS.committer.drop_snapshots,  # the run's snapshot slots and threads (checkpointing/commit/snapshots.py)
         BUDGETS.clear,  # each run's save times, for the grace budget of a stop (training/unit/loop.py)
         preemption.STOP.clear,  # a pending stop request, and the signals ignored after it
         rng.disown_python_random,  # ``random``'s functions routed by thread, training's thread (training/unit/rng.py)

@@ -17,7 +17,7 @@ xxHash3-128 (13-14 GB/s on one core here, against 1.5 GB/s for sha256): they gua
 not against an attacker, whom the folder's permissions keep out. Reading copies the bytes out of the slot and
 verifies the copy, so what is loaded is what was verified.
 
-Nothing here knows about training: ``checkpointing/snapshots.py`` fills slots and decides which to keep.
+Nothing here knows about training: ``checkpointing/commit/snapshots.py`` fills slots and decides which to keep.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class Slot:
     def __init__(self, index: int, size: int, buffer: mmap.mmap, shared: bool, filesystem: str = ""):
         self.index, self.size, self.buffer, self.shared = index, size, buffer, shared
         self.filesystem = filesystem  # of a shared slot's file ("" for private memory)
-        self.registered_ptr: int | None = None  # set when pinned for CUDA (checkpointing/snapshots.py)
+        self.registered_ptr: int | None = None  # set when pinned for CUDA (checkpointing/commit/snapshots.py)
 
     @property
     def pinnable(self) -> bool:

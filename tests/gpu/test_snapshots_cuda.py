@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.commit import Committer
+from checkpointing.commit.committer import Committer
 from checkpointing.host_tier.tier import HostTier
 from training.exceptions import InjectedFault
 from training.recipe.loader import ALLOWED_ENV

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpointing import CheckpointStore, Writer
-from checkpointing.commit import CommitTerms
+from checkpointing.commit.committer import CommitTerms
 from training.unit import fsdp
 
 GLOBAL_BATCH = 16

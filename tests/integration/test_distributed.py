@@ -143,7 +143,7 @@ def test_accumulation_on_two_processes_makes_the_single_process_update(make_conf
     """2 gloo processes x 2 micro-batches (DDP sync on the last only, each micro-batch weighted by its share)
     against 1 process taking the whole batch: the same weights up to float rounding. 250 samples: the last
     batch of 26 gives shares of 13 and micro-batches of 6 and 7."""
-    from checkpointing import sharded
+    from checkpointing.commit import sharded
     from checkpointing.store import STATE_FILE
 
     args = {"num_samples": 250, "dropout": 0.0}

@@ -1,6 +1,6 @@
 """An object-store endpoint that goes away for seconds at a time, and a disk that fills up: the run absorbs the first
 for as long as ``store_retry_max_seconds`` allows (checkpointing/io/storage.py's retry policy, the commit engine's
-whole-commit retry in checkpointing/commit.py), and says the second in one line, in its own words, at the path
+whole-commit retry in checkpointing/commit/committer.py), and says the second in one line, in its own words, at the path
 (checkpointing/io/storage.py ``_os_error``), keeping the checkpoint before it.
 
 Real parts: moto's S3 server behind a plain TCP proxy on loopback that stops accepting and drops every connection

@@ -190,7 +190,8 @@ def test_a_deployment_run_without_links_trains_and_exports_under_its_root(deploy
 def test_a_sharded_save_makes_its_folder_through_no_link_when_the_save_folder_turns_into_one(roots):
     """DCP makes a checkpoint's folder itself (fsspec's makedirs follows links): a save folder swapped for a link
     after the checkpoint was begun gets no folder outside the root."""
-    from checkpointing import Writer, sharded
+    from checkpointing import Writer
+    from checkpointing.commit import sharded
 
     allowed, outside = roots
     with confine.confined([str(allowed)]):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.commit import Committer
+from checkpointing.commit.committer import Committer
 from training import LoopContext, ResumableBatchSampler
 from training.config import ConfigError
 from training.start.identity import check_same_run

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.commit import CommitTerms
+from checkpointing.commit.committer import CommitTerms
+from checkpointing.commit.snapshots import SnapshotPipeline
 from checkpointing.errors import TierUnavailable
 from checkpointing.host_tier.tier import STALE_SECONDS, HostTier, Record
 from checkpointing.manifest import Writer
-from checkpointing.snapshots import SnapshotPipeline
 from training.exceptions import InjectedFault
 from training.run import Run, execute_unit
 from training.unit import host_memory
@@ -287,7 +287,7 @@ def test_retention_counts_unit_checkpoints_not_the_snapshots_inside_units(make_c
 
 
 def test_a_loop_of_its_own_gets_back_a_report_newer_than_the_stores_from_this_machines_memory(make_config):
-    from checkpointing.commit import Committer
+    from checkpointing.commit.committer import Committer
     from training import LoopContext
 
     config = make_config(

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import metadata as dcp
 
-from checkpointing import CorruptCheckpointError, UnsafeCheckpointError, sharded
+from checkpointing import CorruptCheckpointError, UnsafeCheckpointError
+from checkpointing.commit import sharded
 from tests.conftest import ROOT
 from tests.hostile import run_of, vouch
 

@@ -10,7 +10,8 @@ import pickle
 import pytest
 import torch
 
-from checkpointing import CorruptCheckpointError, UnsafeCheckpointError, sharded
+from checkpointing import CorruptCheckpointError, UnsafeCheckpointError
+from checkpointing.commit import sharded
 from checkpointing.export import export_checkpoint
 from checkpointing.peers.formats import read_weights
 from tests.hostile import deflated, run_of, torch_bytes, vouch, weights_of

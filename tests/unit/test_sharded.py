@@ -19,9 +19,9 @@ from checkpointing import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
     Writer,
-    sharded,
 )
 from checkpointing.__main__ import main as cli
+from checkpointing.commit import sharded
 from checkpointing.manifest import Manifest
 from checkpointing.store import FencedError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointError, CheckpointStore, Writer
-from checkpointing.streaming import remote_block_size, save_streaming, write_object
+from checkpointing.commit.streaming import remote_block_size, save_streaming, write_object
 
 
 def test_commit_files_refuses_a_file_that_did_not_land_as_reported(backend):

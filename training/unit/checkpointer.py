@@ -2,7 +2,7 @@
 
 What every commit of a run shares is decided here once: the manifest's metadata, the writer (fenced by its
 generation), the retention, and whether the upload goes to the background while training goes on. The state is
-snapshotted here and handed to the one commit path below (checkpointing/commit.py), and the caller gets back what
+snapshotted here and handed to the one commit path below (checkpointing/commit/), and the caller gets back what
 was committed and how long training stalled for it; the caller's metrics are never touched. When several processes
 train, rank 0 commits and every rank learns the result, or rank 0's error (``ranks.on_rank0``); with FSDP every
 rank writes its own shards.
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing import CheckpointStore, Writer, ranks
-from checkpointing import commit as commits
-from checkpointing.commit import Committer, CommitTerms, PendingCommit, Retention
+from checkpointing.commit import committer as commits
+from checkpointing.commit.committer import INTERMEDIATE, Committer, CommitTerms, PendingCommit, Retention
+from checkpointing.commit.snapshots import SnapshotPipeline
 from checkpointing.host_tier.gc import claim_of, sweep_on_open
 from checkpointing.host_tier.tier import HostTier, TierUnavailable
 from checkpointing.names import checkpoint_name
-from checkpointing.snapshots import INTERMEDIATE, SnapshotPipeline
 from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
 from training.position.iterable import StatefulIterable

@@ -50,7 +50,7 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_name: str, cache: Sessio
 def _model_weights(store, name: str) -> dict:
     info = store.info(name)
     if info is not None and info.manifest.metadata.get("parallelism") == "fsdp":
-        from checkpointing import sharded
+        from checkpointing.commit import sharded
 
         return sharded.consolidated_model(store, info)  # the whole model, in this process, for evaluation
     return store.load(name, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"]

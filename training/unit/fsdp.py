@@ -3,7 +3,7 @@
 With DDP every rank holds the whole model, its gradients and its optimizer state, and rank 0 writes one
 ``state.pt``: the model must fit (twice) in one process. FSDP2 keeps 1/world of each parameter and of its
 optimizer state on each rank; ``get_state_dict`` gives those shards as DTensors, and
-``checkpointing.sharded`` writes each rank's shards in parallel under the manifest → ``latest`` protocol.
+``checkpointing.commit.sharded`` writes each rank's shards in parallel under the manifest → ``latest`` protocol.
 Loading reshards, so the world size may change between units.
 
 Besides the shards, a checkpoint holds two kinds of small ``torch.save`` files: ``extra.pt`` (rank 0's
@@ -39,9 +39,9 @@ from checkpointing import (
     CheckpointStore,
     CorruptCheckpointError,
     ranks,
-    sharded,
 )
-from checkpointing.commit import CommitTerms, PendingCommit, commit_sharded
+from checkpointing.commit import sharded
+from checkpointing.commit.committer import CommitTerms, PendingCommit, commit_sharded
 
 logger = logging.getLogger(__name__)
 

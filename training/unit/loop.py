@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
 from checkpointing import CheckpointStore
-from checkpointing.commit import PendingCommit
+from checkpointing.commit.committer import PendingCommit
 from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
 from training.config import ConfigError, TrainConfig

@@ -3,7 +3,7 @@
 A recipe that defines ``train_loop(self, ctx)`` trains however it likes; the product builds nothing and owns no
 DataLoader. Inside the loop the user calls ``ctx.get_checkpoint()`` (the run's newest good reported state, or
 None for a fresh run) and ``ctx.report(metrics, state=...)`` at boundaries of their choosing. A report with a
-``state`` is a checkpoint committed the way a unit's is (checkpointing/commit.py: files, manifest, ``latest``,
+``state`` is a checkpoint committed the way a unit's is (checkpointing/commit/committer.py: files, manifest, ``latest``,
 fencing, retention, a background upload where enabled); one without is a metrics-only report (logged and shown
 in the UI, nothing committed).
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from checkpointing import CheckpointInfo, CheckpointStore, CorruptCheckpointError, ranks
-from checkpointing.commit import Committer, PendingCommit
+from checkpointing.commit.committer import Committer, PendingCommit
 from checkpointing.store import STATE_FILE
 from training import preemption
 from training.config import ConfigError, TrainConfig

@@ -287,7 +287,7 @@ def _restore_rng(session: Session, state: dict[str, Any] | None, info: Any) -> N
 
 
 def _refuse_sharded(store: CheckpointStore) -> None:
-    from checkpointing import sharded
+    from checkpointing.commit import sharded
 
     latest = store.latest()
     if latest is not None and sharded.is_sharded(latest):

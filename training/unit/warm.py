@@ -14,7 +14,7 @@ import logging
 import torch
 
 from checkpointing import CheckpointStore
-from checkpointing.commit import Committer
+from checkpointing.commit.committer import Committer
 from training.config import TrainConfig
 from training.unit import rng
 from training.unit.session import SINGLE_PROCESS, Origin, Session, World, pick_device, requested_data_skip

@@ -1,5 +1,6 @@
-"""The one commit path: every checkpoint — a unit's, a ``train_loop`` report, FSDP shards, a preemption
-checkpoint — is named, written, vouched for (files → manifest → ``latest``, fenced) and pruned here.
+"""The commit's requests and its one end: every checkpoint — a unit's, a snapshot inside it, a ``train_loop`` report,
+FSDP shards, a preemption checkpoint — is named, written, vouched for (files → manifest → ``latest``, fenced) and
+pruned through ``finish`` here, whether the snapshot pipeline (snapshots.py) or the ``Committer`` sends it.
 
 Training (its one caller, training/unit/checkpointer.py) hands over what to save (objects for ``torch.save``, or a
 sharded state dict for DCP) and the ``CommitTerms``: where it stands (``progress``), the manifest's metadata, its
@@ -30,6 +31,8 @@ from checkpointing.serialization import serialize
 from checkpointing.store import CHECKPOINTS, STATE_FILE, CheckpointInfo, CheckpointStore
 
 log = logging.getLogger(__name__)
+
+INTERMEDIATE = "within_unit"  # manifest metadata key: a snapshot taken inside a unit (see ``finish``)
 
 # save_network_weights: the model's state_dict alone beside state.pt, under the same manifest (MindSpore's
 # checkpoint_network copy, made a file of the checkpoint so that it is committed, verified and pruned with it)
@@ -111,8 +114,18 @@ class PendingCommit:
     def of(cls, info: CheckpointInfo) -> PendingCommit:
         """An already committed checkpoint."""
         pending = cls(info.name, info.uri, info.size_bytes, dict(info.progress), dict(info.manifest.metadata))
-        pending._future.set_result(info)
+        pending.settle(info)
         return pending
+
+    def settle(self, info: CheckpointInfo | None = None, error: BaseException | None = None) -> None:
+        """Reports how the commit ended to whoever waits on it: committed as ``info``, or failed with ``error``. The
+        engine that made the commit calls it once; a later call changes nothing."""
+        if self._future.done():
+            return
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(info)  # type: ignore[arg-type]
 
     @property
     def committed(self) -> bool:
@@ -165,7 +178,8 @@ def commit_sharded(terms: CommitTerms, state_dict: dict[str, Any], files: dict[s
     """Every rank calls it: DCP shards of ``state_dict`` plus this rank's ``files``, committed by rank 0 under the
     same protocol (see ``sharded.save_state``), then pruned by rank 0. Synchronous: the shards are written from the
     live model (DCP's async_save would need a staging copy, the memory this mode saves)."""
-    from checkpointing import ranks, sharded
+    from checkpointing import ranks
+    from checkpointing.commit import sharded
 
     store, progress, writer = terms.store, terms.progress, terms.writer
     name = ranks.on_rank0(lambda: store.name_for(progress, writer.generation))
@@ -178,7 +192,7 @@ def commit_sharded(terms: CommitTerms, state_dict: dict[str, Any], files: dict[s
 
 
 class Background(Protocol):
-    """What the committer waits for besides its own uploads: the snapshot pipeline (checkpointing/snapshots.py)."""
+    """What the committer waits for besides its own uploads: the snapshot pipeline (snapshots.py)."""
 
     def wait(self, timeout: float | None = None) -> None: ...
     def keep_newest(self) -> None: ...
@@ -194,7 +208,7 @@ class Committer:
         self._lock = threading.Lock()
         self._pending: PendingCommit | None = None
         self._pending_store_uri: str | None = None
-        self.snapshots: Background | None = None  # the run's snapshot pipeline (checkpointing/snapshots.py)
+        self.snapshots: Background | None = None  # the run's snapshot pipeline (snapshots.py)
         self._snapshots_key: tuple[Any, ...] = ()
 
     def snapshot_pipeline(self, key: tuple[Any, ...], make: Callable[[], Background]) -> Background:
@@ -224,7 +238,7 @@ class Committer:
         """Commits ``request`` before returning (after any commit still in flight)."""
         self.wait()
         log.info("writing checkpoint %s to %s", request.name, redact_uri(request.store.uri))
-        return PendingCommit.of(_commit_and_prune(request))
+        return PendingCommit.of(finish(request))
 
     def submit(self, request: CommitRequest) -> PendingCommit:
         """Starts committing ``request`` in the background; first waits for (and re-raises) the previous one."""
@@ -284,7 +298,7 @@ class Committer:
 
 def _commit_in_background(request: CommitRequest) -> CheckpointInfo:
     t0 = time.perf_counter()
-    info = _commit_and_prune(request)
+    info = finish(request)
     log.info(
         "checkpoint %s committed in the background: %.1f MB in %.2fs",
         request.name,
@@ -294,20 +308,46 @@ def _commit_in_background(request: CommitRequest) -> CheckpointInfo:
     return info
 
 
-def _commit_and_prune(r: CommitRequest) -> CheckpointInfo:
-    """Commits, then applies retention with the same store (which knows what is in flight).
+def finish(r: CommitRequest, *, drop_superseded: bool = False) -> CheckpointInfo:
+    """The one end of every commit (now, in the background, or a snapshot's upload): the files, the manifest and
+    ``latest`` (fenced), then what the new checkpoint makes superfluous: with ``drop_superseded``, this writer's
+    snapshots inside a unit older than it; then, unless it is such a snapshot itself (``INTERMEDIATE``), the
+    retention, which counts unit checkpoints only (the same store, which knows what is in flight).
 
     The whole commit runs under the store's retry policy: a transient fault mid-stream (a streamed file is one
     request, not retried by itself) tries the commit again until store_retry_max_seconds is spent; its first
     step removes what the failed try wrote. A full disk or a refused folder is one line naming the checkpoint."""
     info = r.store.storage.retried(f"upload of checkpoint {r.name}", lambda: _commit(r), key=f"{CHECKPOINTS}/{r.name}")
-    r.retention.apply(r.store)
+    if drop_superseded:
+        _delete_superseded(r.store, info)
+    if not r.metadata.get(INTERMEDIATE):
+        r.retention.apply(r.store)
     return info
+
+
+def _delete_superseded(store: CheckpointStore, newest: CheckpointInfo) -> None:
+    """Deletes this writer's snapshots inside a unit older than ``newest`` (just committed): each was the newest state
+    only until the next one, and a run with a snapshot every step would otherwise keep thousands. Another writer's
+    (a roll-back's record, say) are left alone."""
+    try:
+        infos = store.list()
+    except Exception:  # best-effort; the next commit tries again
+        return
+    names = [i.name for i in infos]
+    if newest.name not in names:
+        return
+    generation = newest.manifest.writer.generation
+    for info in infos[: names.index(newest.name)]:
+        if info.manifest.metadata.get(INTERMEDIATE) and info.manifest.writer.generation == generation:
+            try:
+                store.delete(info.name)
+            except Exception as exc:
+                log.info("could not delete superseded snapshot %s: %s", info.name, exc)
 
 
 def _commit(r: CommitRequest) -> CheckpointInfo:
     if r.objects is not None:
-        from checkpointing.streaming import save_streaming
+        from checkpointing.commit.streaming import save_streaming
 
         return save_streaming(r.store, r.name, r.objects, progress=r.progress, metadata=r.metadata, writer=r.writer)
     return r.store.commit(r.name, r.blobs, progress=r.progress, metadata=r.metadata, writer=r.writer)

@@ -8,7 +8,7 @@ backward: ``before_step`` makes the next ``optimizer.step()`` wait for it on the
 1. the publish thread waits for the copy, checksums the slot and writes its record (checkpointing/host_tier/tier.py):
    from then on a relaunch on this machine can resume from it;
 2. the upload thread commits the newest published slot to the store through the one commit path (files ->
-   manifest -> ``latest``: ``commit._commit_and_prune``), streaming ``torch.save`` straight from the slot. While one
+   manifest -> ``latest``: ``committer.finish``), streaming ``torch.save`` straight from the slot. While one
    upload runs, newer snapshots keep reaching the host-memory tier; the store gets the newest one once the upload
    is done and the thread has rested (``UPLOAD_DUTY``). A snapshot taken ``must_upload`` (a unit's last, a
    preemption's) is always uploaded, in order and at once, and its ``PendingCommit`` reports it.
@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 
-from checkpointing.commit import (
+from checkpointing.commit.committer import (
+    INTERMEDIATE,
     CommitRequest,
     CommitTerms,
     PendingCommit,
-    Retention,
-    _commit_and_prune,
+    finish,
     with_network_weights,
 )
 from checkpointing.host_tier.tier import (
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 # 9x as long as the last upload took between two of them brings it near 1 %. The host-memory tier holds every snapshot
 # meanwhile; a unit's last snapshot (and a preemption's) is uploaded at once.
 UPLOAD_DUTY = 0.1
-INTERMEDIATE = "within_unit"  # manifest metadata key: a snapshot taken inside a unit (superseded ones are deleted)
 
 
 # -- the state, split into tensors and the rest ------------------------------------------------------------
@@ -367,7 +366,7 @@ class SnapshotPipeline:
             self._newest = job
             self._held_by_tier = None  # from now on this process's own snapshots say which slot is newest
             if not job.upload:
-                self._settle(job)
+                job.pending.settle()
             elif job.must_upload:  # every unit's last snapshot reaches the store, in order
                 self._queued.append(job)
             else:
@@ -418,16 +417,12 @@ class SnapshotPipeline:
             level = logging.DEBUG if t.metadata.get(INTERMEDIATE) else logging.INFO  # not a line a step
             if t.metadata.get(INTERMEDIATE):  # named here, not on the training thread (naming reads the store)
                 job.name = t.store.name_for(t.progress, t.writer.generation)
-            # Retention counts unit checkpoints: snapshots inside a unit are deleted first, once superseded.
-            request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, Retention(), {}, objects)
+            request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, t.retention, {}, objects)
             log.log(level, "writing checkpoint %s to %s", job.name, redact_uri(t.store.uri))
             t0 = time.perf_counter()
-            # A transient fault mid-stream fails the whole file: _commit_and_prune tries the commit again (under the
+            # A transient fault mid-stream fails the whole file: finish tries the commit again (under the
             # store's retry policy) from the slot, which holds still while it uploads.
-            info = _commit_and_prune(request)
-            _delete_superseded(t.store, info)
-            if not t.metadata.get(INTERMEDIATE):
-                t.retention.apply(t.store)
+            info = finish(request, drop_superseded=True)  # then superseded snapshots deleted, then the retention
             log.log(
                 level,
                 "snapshot %s committed to the store from host memory: %.1f MB in %.2fs",
@@ -450,18 +445,9 @@ class SnapshotPipeline:
                     self._uploaded_seq = max(self._uploaded_seq, job.seq)
                 elif job.must_upload:
                     self._failure = error
-                self._settle(job, error=error, info=info)
+                job.pending.settle(info, error)
                 self._pump()
                 self._lock.notify_all()
-
-    def _settle(self, job: _Job, *, error: BaseException | None = None, info: Any = None) -> None:
-        future = job.pending._future
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(info)
 
     # -- waiting, and the end ---------------------------------------------------------------------------
     def in_flight(self) -> str | None:
@@ -550,23 +536,3 @@ def _absorb_cuda_error() -> None:
         torch.cuda.synchronize()
     except RuntimeError as exc:
         log.debug("cleared the error a failed page-lock left: %s", exc)
-
-
-def _delete_superseded(store: Any, newest: Any) -> None:
-    """Deletes this writer's intermediate snapshots older than ``newest`` (just committed): each was the newest state
-    only until the next one, and a run with a snapshot every step would otherwise keep thousands. Another writer's
-    (a roll-back's record, say) are left alone."""
-    try:
-        infos = store.list()
-    except Exception:  # best-effort; the next commit tries again
-        return
-    names = [i.name for i in infos]
-    if newest.name not in names:
-        return
-    generation = newest.manifest.writer.generation
-    for info in infos[: names.index(newest.name)]:
-        if info.manifest.metadata.get(INTERMEDIATE) and info.manifest.writer.generation == generation:
-            try:
-                store.delete(info.name)
-            except Exception as exc:
-                log.info("could not delete superseded snapshot %s: %s", info.name, exc)

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from checkpointing import ranks
-from checkpointing.dcp_metadata import load_metadata
+from checkpointing.commit.dcp_metadata import load_metadata
+from checkpointing.commit.streaming import HashingWriter, open_for_write, write_object
 from checkpointing.errors import CheckpointError, CorruptCheckpointError
 from checkpointing.manifest import FileEntry, Writer
 from checkpointing.serialization import check_unpacked_size
@@ -53,7 +54,6 @@ from checkpointing.store import (
     safe_load,
     validate_file_name,
 )
-from checkpointing.streaming import HashingWriter, open_for_write, write_object
 
 log = logging.getLogger(__name__)
 

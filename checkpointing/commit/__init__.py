@@ -1,0 +1,13 @@
+"""How a state becomes a committed checkpoint folder. Follow one from the training thread to the store:
+
+1. ``snapshots.py``: ``SnapshotPipeline.take`` copies the state into a slot (the whole stall; the slots are the
+   host-memory tier's, checkpointing/host_tier/), a publish thread checksums it and writes its record, an upload
+   thread hands the newest to ``committer.finish``;
+2. ``committer.py``: the request types (``CommitTerms``, ``CommitRequest``, ``PendingCommit``), the ``Committer``
+   that commits a state now or in the background (states the pipeline cannot take), and ``finish``, the one end of
+   every commit: files -> manifest -> ``latest`` (fenced, retried), then superseded snapshots deleted, then retention;
+3. ``streaming.py``: each file ``torch.save``d straight into the store while it is hashed, then
+   ``CheckpointStore.begin_commit`` / ``commit_files`` write the manifest and move ``latest``;
+4. ``sharded.py`` (with ``dcp_metadata.py``): FSDP's DCP shards, written by every rank and committed by rank 0 under
+   the same manifest and ``latest``, and read back.
+"""
