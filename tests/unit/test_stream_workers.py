@@ -5,6 +5,8 @@ nothing written, and a saved state of another shape is one DataError before any 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -83,6 +85,14 @@ def test_a_changed_world_size_is_refused_naming_the_option():
     assert "\n" not in str(caught.value)
 
 
+def test_workers_without_torchdata_installed_are_one_line_naming_the_extra(make_config, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # as if it were not installed
+    config = stream_config(make_config)
+    with pytest.raises(ConfigError, match=r"^num_workers=2: .*not installed; pip install 'resumable-train\[streams\]'"):
+        train_all(config)
+    assert CheckpointStore(config.save_folder, config.run_name).latest() is None
+
+
 def _loader_state(workers: int = 2) -> dict:
     """A StatefulDataLoader state as worker_loader writes it (the shape test_workers_... reads back from a run)."""
     worker = {"dataset_state": {"count": 3}, "fetcher_state": {"dataset_iter_state": None, "fetcher_ended": False}}
@@ -129,3 +139,29 @@ def test_a_saved_loader_state_of_another_shape_is_one_data_error_before_any_work
         stream.restore(saved, 1, 8, 2, "checkpoint c")
     assert "\n" not in str(caught.value)
     assert stream.workers._iterator is None  # no worker was started for it
+
+
+def test_a_hugging_face_streaming_dataset_read_by_two_workers_resumes_exactly(make_config, train_run, tmp_path):
+    pytest.importorskip("datasets")
+    import json
+
+    g = torch.Generator().manual_seed(3)
+    files = []
+    for f in range(4):  # 4 files of 20 rows, 2 a worker: 2 units of 4 steps of 8 (32 rows a worker) cross a file end
+        path = tmp_path / f"part-{f}.jsonl"
+        rows = [{"x": row.tolist(), "y": int(row[:4].argmax())} for row in torch.randn(20, 16, generator=g)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files.append(str(path))
+    recipe, args = "tests.stateful_iterable_recipes:JsonStreamRecipe", {"data_files": files}
+    allow_recipe(recipe)
+    warm = stream_config(make_config, run_name="warm", recipe=recipe, recipe_args=args)
+    cold = stream_config(make_config, run_name="cold", recipe=recipe, recipe_args=args)
+    PROCESS.forget()
+    train_run(warm)
+    train_all(cold)
+    a, b = latest(warm), latest(cold)
+    wa, wb = (x.objects[STATE_FILE]["state"]["model"] for x in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    workers = b.objects["rng-rank0.pt"]["data"]["state"]["_snapshot"]["_worker_snapshots"]
+    states = [workers[f"worker_{i}"]["dataset_state"] for i in (0, 1)]  # Hugging Face's own, one a worker
+    assert [s["examples_iterable"]["previous_state_example_idx"] for s in states] == [32, 32]  # 64 samples in turn

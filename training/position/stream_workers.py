@@ -24,6 +24,7 @@ from training.exceptions import DataError
 
 MAX_NODES = 100_000  # values in one rank's saved loader state (a worker's stream state is a few dozen)
 MAX_DEPTH = 32
+MAX_PREFETCH = 128  # samples in flight per worker: about one step's share, at most this many
 _TOP = {"_snapshot", "_steps_since_snapshot", "_iterator_finished"}
 _SNAPSHOT = {"_snapshot_step", "_last_yielded_worker_id", "_main_snapshot", "_worker_snapshots"}
 _WORKER = {"worker_id", "dataset_state", "fetcher_state"}
@@ -35,7 +36,8 @@ def _as_is(sample: Any) -> Any:
 
 def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: int) -> Any:
     """A ``StatefulDataLoader`` over ``stream`` whose persistent workers yield one sample at a time, each with its
-    worker's state; about a step's samples are in flight. Workers start at its first iteration."""
+    worker's state; about a step's samples are in flight (at most ``MAX_PREFETCH`` a worker). Workers start at its
+    first iteration."""
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
@@ -53,7 +55,7 @@ def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: in
             collate_fn=_as_is,
             persistent_workers=True,  # a new pass of the stream starts no worker
             multiprocessing_context="forkserver",  # as the product's own loader: forked Prefect threads die at exit
-            prefetch_factor=max(2, -(-samples_per_step // num_workers)),
+            prefetch_factor=min(MAX_PREFETCH, max(2, -(-samples_per_step // num_workers))),
             snapshot_every_n_steps=1,  # every sample carries its worker's state: exact after any sample
             generator=torch.Generator().manual_seed(seed % 2**63),  # the workers' base seed, saved in the state
         )
