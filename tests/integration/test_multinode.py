@@ -96,11 +96,13 @@ def model_of(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     return store.load(store.latest().name, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"]
 
 
-def test_two_nodes_train_what_two_processes_on_one_machine_train(cluster, tmp_path):
-    """`python -m flows.train --nnodes 2` as node 0 in the root namespace; its node run lands on a host."""
+def test_two_nodes_train_what_two_processes_on_one_machine_train(cluster, tmp_path, train_run):
+    """`python -m flows.train --nnodes 2` as node 0 in the root namespace; its node run lands on a host. The two
+    processes on one machine are only the reference (their ids and weights): trained without Prefect
+    (tests.run_lifecycle's path, torchrun's two ranks as on the pool), not through a worker's flow-run process."""
     folder = tmp_path / "runs"
     one = config_for(folder, "one-machine", tmp_path / "one", nproc_per_node=2)
-    train_on_pool(cluster, one)
+    train_run(TrainConfig(**one))
     before = {run.id for run in node_runs(cluster)}
     two = config_for(folder, "two-machines", tmp_path / "two", nnodes=2)
     flags = [arg for key, value in two.items() for arg in (f"--{key}", json.dumps(value) if isinstance(value, dict)
@@ -184,14 +186,20 @@ def steps_by_rank_lines(record: Path, epoch: int, per_epoch: int) -> list[set[in
     return [{int(i) for block in blocks for i in block[s].split()} for s in range(per_epoch)]
 
 
-def test_two_nodes_then_one_then_two_see_every_sample_once_per_epoch(cluster, tmp_path):
+def test_two_nodes_then_one_then_two_see_every_sample_once_per_epoch(cluster, tmp_path, train_run):
+    """The two-node segments run on the pool (node 0's flow run and a node run on the other host); the one-node
+    segment is one process, with no node run or rendezvous, so it trains without Prefect (tests.run_lifecycle's
+    path) in this machine, from and into the same save folder: a worker's flow-run process start was most of it."""
     n, folder, record = 225, tmp_path / "runs", tmp_path / "ids"  # 225 = 7 x 32 + 1: the epoch ends with 1 sample
     plan = [(2, 32, "5ba", "5ba"), (1, 16, "14ba", "2ba"), (2, 32, "2ep", "1ep")]  # as test_distributed's 2 -> 1 -> 2
     global_steps = []
     for segment, (nnodes, gbs, duration, interval) in enumerate(plan):
-        train_on_pool(cluster, config_for(folder, "elastic", record, nnodes=nnodes, global_batch_size=gbs,
-                                          max_duration=duration, save_interval=interval,
-                                          recipe_args={"num_samples": n, "record_dir": str(record)}))  # fmt: skip
+        config = config_for(folder, "elastic", record, nnodes=nnodes, global_batch_size=gbs, max_duration=duration,
+                            save_interval=interval, recipe_args={"num_samples": n, "record_dir": str(record)})  # fmt: skip
+        if nnodes == 1:
+            train_run(TrainConfig(**config))
+        else:
+            train_on_pool(cluster, config)
         global_steps += steps_by_rank(record, nnodes)
         for f in record.glob("ids-rank*.txt"):
             f.rename(record / f"segment{segment}-{f.name}")
