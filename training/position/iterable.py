@@ -63,6 +63,7 @@ class StatefulIterable:
         self._it: Any = None
         self.num_samples = len(stream) if hasattr(stream, "__len__") else STREAM_EPOCH
         self.workers: Any = None  # with num_workers > 0: the StatefulDataLoader whose workers read the stream
+        self._workers_started = False
 
     def __len__(self) -> int:
         return self.num_samples
@@ -72,13 +73,13 @@ class StatefulIterable:
         from training.position.stream_workers import worker_loader
 
         self.workers = worker_loader(self.stream, num_workers, seed, samples_per_step)
-        self._it = None
+        self._it, self._workers_started = None, False
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> _Ids:
         return _Ids(range(self.num_samples))  # the stream's own order: shuffling is the stream's business
 
     def _next(self) -> Any:
-        if self.workers is not None and self._it is None and self.workers._iterator is None:
+        if self.workers is not None and not self._workers_started:
             return self._start_workers()
         source = self.stream if self.workers is None else self.workers
         for _ in range(2):
@@ -93,7 +94,7 @@ class StatefulIterable:
     def _start_workers(self) -> Any:
         """The first read with workers starts them (from the loaded state, on a resume): one line says how long they
         took until their first sample."""
-        t0 = time.perf_counter()
+        t0, self._workers_started = time.perf_counter(), True
         self._it = iter(self.workers)
         first = self._next()
         logger.info(
@@ -141,6 +142,7 @@ class StatefulIterable:
             from training.position.stream_workers import check_loader_state
 
             self.workers.load_state_dict(check_loader_state(saved["state"], num_workers, where))
+            self._workers_started = False  # they start again, from the loaded state
         self._it = None  # the next sample comes from the loaded state
 
 
