@@ -45,6 +45,7 @@ def latest(config):
     return store.load(store.latest().name, files=[STATE_FILE, "rng-rank0.pt"])
 
 
+@pytest.mark.slow  # loader worker processes start (each ~10-25 s on 2 cores at load 10-20)
 def test_workers_resumed_from_the_store_after_each_unit_train_what_an_uninterrupted_run_trains(make_config, train_run):
     warm, cold = stream_config(make_config, run_name="warm"), stream_config(make_config, run_name="cold")
     PROCESS.forget()
@@ -60,6 +61,7 @@ def test_workers_resumed_from_the_store_after_each_unit_train_what_an_uninterrup
     assert b.info.progress["samples_seen"] == 64
 
 
+@pytest.mark.slow  # loader worker processes start (each ~10-25 s on 2 cores at load 10-20)
 def test_a_changed_num_workers_is_refused_in_one_line_and_nothing_is_written(make_config):
     config = stream_config(make_config, max_duration="4ba")
     train_all(config)
@@ -71,6 +73,22 @@ def test_a_changed_num_workers_is_refused_in_one_line_and_nothing_is_written(mak
         message = str(caught.value)
         assert "\n" not in message and message.startswith(text) and "ShardedDataset" in message
     assert store.latest().name == before and [c.name for c in store.list()] == [before]
+
+
+def test_a_changed_num_workers_is_refused_naming_the_option_before_any_worker_starts():
+    from tests.stream_worker_recipes import WorkerCountingStream
+    from training.position.iterable import StatefulIterable
+
+    saved = {"state": _loader_state(), "world_size": 1, "global_batch_size": 8, "num_workers": 2}
+    in_process = StatefulIterable(WorkerCountingStream(seed=1, rank=0, in_features=4, num_classes=2))
+    with pytest.raises(ConfigError, match=r"^num_workers=2 -> 0: checkpoint c saved .*ShardedDataset") as caught:
+        in_process.restore(saved, 1, 8, 0, "checkpoint c")
+    assert "\n" not in str(caught.value) and in_process.stream.count == 0  # nothing loaded
+    three = StatefulIterable(WorkerCountingStream(seed=1, rank=0, in_features=4, num_classes=2))
+    three.read_with_workers(3, seed=1, samples_per_step=4)
+    with pytest.raises(ConfigError, match=r"^num_workers=2 -> 3: "):
+        three.restore(saved, 1, 8, 3, "checkpoint c")
+    assert three.workers._iterator is None and three.workers.next_iter_state is None  # no worker, nothing loaded
 
 
 def test_a_changed_world_size_is_refused_naming_the_option():
@@ -141,6 +159,7 @@ def test_a_saved_loader_state_of_another_shape_is_one_data_error_before_any_work
     assert stream.workers._iterator is None  # no worker was started for it
 
 
+@pytest.mark.slow  # loader worker processes start (each ~10-25 s on 2 cores at load 10-20)
 def test_a_hugging_face_streaming_dataset_read_by_two_workers_resumes_exactly(make_config, train_run, tmp_path):
     pytest.importorskip("datasets")
     import json
