@@ -35,6 +35,7 @@ from flows.sweep_claims import verify_claims
 from flows.sweep_report import SweepReport, SweepResult, done_line
 from flows.train import TrainFlow, check_restart_cap
 from tasks.trial import CHILDREN, SegmentOutcome, run_trial, trial_error
+from tasks.trial_runner import RUNNERS
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.config.trust import confine_locations, release_locations
@@ -117,7 +118,9 @@ class Sweep:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> SweepResult:
         runner: ThreadPoolTaskRunner[Any]
-        with ThreadPoolTaskRunner(max_workers=self.config.max_concurrent_trials) as runner:
+        size = self.config.max_concurrent_trials
+        # The warm runners close before the task runner's threads end: a runner dies with the thread that forked it.
+        with ThreadPoolTaskRunner(max_workers=size) as runner, RUNNERS.opened(size):
             for job in unfinished_segments(self.study):  # started by an attempt that died: its run resumes
                 self._submit(runner, job, started=True)
             while True:

@@ -6,6 +6,9 @@ own flow run, retries, snapshots, preemption), run the way the command line runs
 stop request, 2 for a refused configuration, 1 for a failure). Unlike ``python -m flows.train``, naming a recipe here
 allows nothing: the recipe must be one this worker allows (the sweep, already checked, passes the one it was allowed
 to run in the environment), and a trial of a deployment run's sweep is opened as untrusted (flows/restarts.py).
+
+``python -m flows.sweep_trial <spec> --warm`` is a warm runner (tasks/trial_runner.py): the same segment, many times
+over in one process, each handed over on stdin and reported by a mark line on stderr with the exit code above.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
+import traceback
 from typing import TYPE_CHECKING
 
 from flows import cli, launch
@@ -36,12 +41,22 @@ def main(argv: list[str]) -> int:
     # Registered before Prefect and torch import (and register theirs), so it runs last: once the logs are shipped
     # and the result is written, the interpreter's teardown of its modules (~1 s) is skipped, as for flows.train.
     atexit.register(launch.exit_without_teardown)
+    from tasks.trial_runner import WARM_FLAG
+
+    if len(argv) == 2 and argv[1] == WARM_FLAG:
+        return serve(argv[0])
+    if len(argv) != 1:
+        return cli.fail("usage: python -m flows.sweep_trial <spec file written by the sweep's trial task>", 2)
+    cli.exit_code = run_segment(argv[0])
+    return cli.exit_code
+
+
+def run_segment(spec_file: str) -> int:
+    """The segment the spec file names, run to its end: the command line's exit code."""
     from flows.train import done_line, train
     from training.config import TrainConfig
 
-    if len(argv) != 1:
-        return cli.fail("usage: python -m flows.sweep_trial <spec file written by the sweep's trial task>", 2)
-    with open(argv[0]) as f:
+    with open(spec_file) as f:
         spec = json.load(f)
     try:
         config = TrainConfig(**spec["config"])
@@ -56,8 +71,45 @@ def main(argv: list[str]) -> int:
     from prefect import tags
 
     with tags(str(spec.get("tag") or "sweep-trial")):  # the trial task ends this flow run if the process dies
-        cli.exit_code = cli.run_checked(train, config, {}, done, verbose=False)
-    return cli.exit_code
+        return cli.run_checked(train, config, {}, done, verbose=False)
+
+
+def serve(spec_file: str) -> int:
+    """A warm runner (tasks/trial_runner.py): one segment per ``run`` line on stdin, each from a process reset to
+    how it started (training/process_state.py), each ended by the mark line on stderr with its exit code; stdin's
+    EOF (the sweep closed it, or died) ends the runner."""
+    from tasks.trial_runner import DONE_MARK
+    from training import process_state
+
+    # Ctrl-C reaches the whole process group: a segment turns it into a stop request (cli.run_checked's handlers); an
+    # idle runner has nothing to stop and ends when the sweep closes its stdin, without a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            continue
+        process_state.reset()  # the previous segment's warm session, stop request, caches, allowed recipes...
+        try:
+            code = run_segment(spec_file)
+        except Exception as exc:  # what a fresh process would have died of: its traceback, exit 1
+            traceback.print_exc()
+            code = cli.fail(f"trial segment did not run: {type(exc).__name__}: {exc}", 1)
+        _flush_prefect_logs()
+        sys.stdout.flush()
+        sys.stderr.write(f"{DONE_MARK} {code}\n")
+        sys.stderr.flush()
+    cli.exit_code = 0
+    return 0
+
+
+def _flush_prefect_logs() -> None:
+    """The segment's flow-run logs reach the API before the sweep hears it ended (a fresh process flushed them at
+    exit); a failure to ship is Prefect's own warning, never the segment's outcome."""
+    try:
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=5, at_exit=False)
+    except Exception:
+        return
 
 
 if __name__ == "__main__":

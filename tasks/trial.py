@@ -1,5 +1,9 @@
 """The trial task: one segment of a sweep's trial, an ordinary training run in a process of its own.
 
+While a sweep runs, that process is one of its warm runners (tasks/trial_runner.py), reset between segments, which
+reports the same exit code and stderr a fresh process would; outside a sweep (or with the internal switch
+SWEEP_PROCESS_PER_SEGMENT=1) it is a fresh ``python -m flows.sweep_trial`` per segment.
+
 A trial is a run of this product like any other (flows/train.py, its own flow run in Prefect, its retries, its
 snapshots and preemption); it runs in a child process because a run owns process-wide things (the global RNGs, the
 warm state kept between units, signal handlers) that two trials in one process would share. The child is
@@ -43,6 +47,7 @@ from prefect.states import Cancelled, Crashed, State
 from pydantic import BaseModel
 
 from checkpointing.commit.committer import INTERMEDIATE
+from tasks.trial_runner import RUNNERS
 from training.config import TrainConfig
 from training.distributed.processes import die_with_parent
 from training.exceptions import TrialDied, TrialFailed, TrialStopped
@@ -116,13 +121,19 @@ def retry_if_died(task, task_run, state) -> bool:
 def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> SegmentOutcome | State:
     """Train ``config`` (one trial's run, up to its segment's max_duration) in a child process; its checkpoints."""
     logger = get_run_logger()
-    with tempfile.TemporaryDirectory(prefix="trial-") as folder:
+    # Under the sweep's own trial folder (tasks/trial_runner.py), which the next sweep removes if this one is killed.
+    with tempfile.TemporaryDirectory(prefix="trial-", dir=RUNNERS.folder, ignore_cleanup_errors=True) as folder:
         spec, result = os.path.join(folder, "spec.json"), os.path.join(folder, "result.json")
         fields = config.model_dump(mode="json", exclude={"storage_options", "config_file"})
         tag = f"sweep-trial-{uuid.uuid4().hex[:12]}"  # finds the child's flow run if the child dies
-        with open(os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            json.dump({"config": fields, "result_file": result, "tag": tag}, f)
-        code, stderr = _run_child(spec, _child_env(config, recipe_path, untrusted))
+        payload = {"config": fields, "result_file": result, "tag": tag}
+        env = _child_env(config, recipe_path, untrusted)
+        if RUNNERS.is_open:  # a warm runner of this sweep (tasks/trial_runner.py): no process start, no imports
+            code, stderr = RUNNERS.run(payload, env, config.run_name, track=CHILDREN)
+        else:
+            with open(os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                json.dump(payload, f)
+            code, stderr = _run_child(spec, env)
         if code == EXIT_OK:
             with open(result) as f:
                 reported = json.load(f)
