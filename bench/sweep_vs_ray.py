@@ -7,14 +7,19 @@ or ``--side ray``, timed from outside (imports, Prefect's or Ray's start, the se
 its own clock, when the best trial's last result was recorded (seconds since the parent started it), the units
 (epochs) trained in all, and the best trial's configuration and metric.
 
-* ours: ``flows.sweep.sweep(SweepConfig(...))`` (trials are ordinary runs in child processes; ASHA pauses a trial at a
-  rung and resumes it from its rung checkpoint); against a running Prefect server when PREFECT_API_URL is set,
-  else with what ``sweep()`` starts itself. Times and units are read from its ledger's events.
+* ours: ``flows.sweep.sweep(SweepConfig(...))`` (trials are ordinary runs in the sweep's warm trial processes,
+  tasks/trial_runner.py; ASHA pauses a trial at a rung and resumes it from its rung checkpoint); against a running
+  Prefect server when PREFECT_API_URL is set, else with what ``sweep()`` starts itself. Times and units are read from
+  its ledger's events; a segment's overhead is its wall time (segment_started to segment_finished) minus the
+  ``train_seconds`` of the units it trained.
+* ours-fresh: the same, with ``SWEEP_PROCESS_PER_SEGMENT=1``: a fresh ``python -m flows.sweep_trial`` process per
+  segment, as before issue 46.
 * ray: ``tune.Tuner`` of a function trainable written as Ray's guides write one (the recipe's model, optimizer,
   scheduler and data; one ``tune.report(metrics, checkpoint=...)`` per epoch, ``tune.get_checkpoint()`` on start),
   ``ASHAScheduler``, ``max_concurrent_trials=2``, 1 CPU a trial, ``ray.init(num_cpus=2)``.
 
-Ray is imported only in the ``--side ray`` process (the ``bench`` extra installs it).
+Ray is imported only in the ``--side ray`` process (the ``bench`` extra installs it). ``--sides`` picks the sides;
+ratios are each side's median over Ray's (and ours over ours-fresh).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from bench.common import load_average, median, parser, progress, record, rotated
 SPACE: dict[str, list[Any]] = {"recipe_args.lr": [3e-4, 1e-3, 3e-3, 1e-2], "recipe_args.hidden": [32, 128]}
 EPOCHS, BATCH, SEED = 4, 32, 0
 METRIC, MODE = "eval_loss", "min"
-SIDES = ("ours", "ray")
+SIDES = ("ours", "ours-fresh", "ray")
 MARK = "SWEEP_BENCH_RESULT "  # the line a side prints its figures on (JSON)
 T0 = "SWEEP_BENCH_T0"  # the parent's time.time() just before it started the side's process
 
@@ -71,18 +76,27 @@ def short(params: dict[str, Any]) -> str:
     return ", ".join(f"{k.removeprefix('recipe_args.')}={v:g}" for k, v in sorted(params.items()))
 
 
+RATIOS = (("ours", "ray"), ("ours-fresh", "ray"), ("ours", "ours-fresh"))
+FIGURES = (("wall", "whole process, s"), ("to_best", "to the best trial's last result, s"),
+           ("units", "units (epochs) trained"), ("segment", "a segment, wall s (median of its segments)"),
+           ("overhead", "a segment's overhead, s (wall - its units' train_seconds; median)"))  # fmt: skip
+
+
 def table(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Markdown rows: each figure's median (min-max) per side and ours / ray, then each side's best trial."""
-    both = all(runs.get(s) for s in SIDES)
-    head = "| figure | " + " | ".join(s for s in SIDES if runs.get(s)) + (" | ours / ray |" if both else " |")
+    """Markdown rows: each figure's median (min-max) per side and the ratios of the sides run, then each side's
+    best trial."""
+    sides = [s for s in SIDES if runs.get(s)]
+    ratios = [(a, b) for a, b in RATIOS if a in sides and b in sides]
+    head = "| figure | " + " | ".join([*sides, *(f"{a} / {b}" for a, b in ratios)]) + " |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    for key, label in (("wall", "whole process, s"), ("to_best", "to the best trial's last result, s"),
-                       ("units", "units (epochs) trained")):  # fmt: skip
-        values = {s: [float(r[key]) for r in runs[s]] for s in SIDES if runs.get(s)}
+    for key, label in FIGURES:
+        values = {s: [float(r[key]) for r in runs[s] if key in r] for s in sides}
         fmt = "{:.0f}" if key == "units" else "{:.2f}"
-        row = f"| {label} | " + " | ".join(spread(v, fmt) for v in values.values())
-        ratio = f" | {median(values['ours']) / median(values['ray']):.2f}x" if both else ""
-        lines.append(row + ratio + " |")
+        cells = [spread(v, fmt) if v else "-" for v in values.values()]
+        for a, b in ratios:
+            ok = values[a] and values[b] and median(values[b]) > 0
+            cells.append(f"{median(values[a]) / median(values[b]):.2f}x" if ok else "-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
     for side in SIDES:
         for r in runs.get(side, []):
@@ -189,25 +203,34 @@ def from_ledger(events: list[dict[str, Any]], best_trial: str, t0: float) -> dic
     )
     names = [e["body"]["trial"] for e in events if e["kind"] == "trial_created"]
     per_trial = [sum(int(b["units_trained"]) for b in finished if b["trial"] == name) for name in names]
+    seconds, overheads = launch_seconds(events)
     return {"units": sum(per_trial), "best_params": params, "to_best": max(ends) - t0, "trials": len(names),
-            "per_trial": per_trial, "launches": len(finished), "launch_seconds": launch_seconds(events)}  # fmt: skip
+            "per_trial": per_trial, "launches": len(finished), "launch_seconds": seconds,
+            "segment": median(seconds), "overhead": median(overheads)}  # fmt: skip
 
 
-def launch_seconds(events: list[dict[str, Any]]) -> list[float]:
-    """Each segment's seconds from its segment_started to its segment_finished event, in the order they finished."""
+def launch_seconds(events: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Each segment's seconds from its segment_started to its segment_finished event, in the order they finished,
+    and the same less the ``train_seconds`` of the units it trained (the last ``units_trained`` of its units)."""
     started: dict[tuple, float] = {}
-    out = []
+    out, overheads = [], []
     for e in events:
         key = (e["body"].get("trial"), e["body"].get("run_name"), e["body"].get("target_units"))
         if e["kind"] == "segment_started":
             started[key] = e["time"]
         elif e["kind"] == "segment_finished" and key in started:
-            out.append(round(e["time"] - started.pop(key), 2))
-    return out
+            wall = e["time"] - started.pop(key)
+            trained = int(e["body"].get("units_trained") or 0)
+            units = e["body"].get("units") or []
+            busy = sum(float(u["metrics"].get("train_seconds", 0.0)) for u in units[len(units) - trained :])
+            out.append(round(wall, 2))
+            overheads.append(round(wall - busy, 2))
+    return out, overheads
 
 
 def run_ours(t0: float, folder: str) -> dict[str, Any]:
     from flows.sweep import sweep
+    from tasks.trial_runner import PROCESS_PER_SEGMENT_ENV
     from training.config import TrainConfig
     from training.sweep.config import SweepConfig
 
@@ -225,7 +248,8 @@ def run_ours(t0: float, folder: str) -> dict[str, Any]:
     )
     value = result.best_value if hasattr(result, "best_value") else result.best_metric
     seconds = out["launch_seconds"]
-    note = (f"{server}; units_trained in the result: {result.units_trained}; a segment (trial launch) took "
+    how = "a fresh process per segment" if os.environ.get(PROCESS_PER_SEGMENT_ENV) == "1" else "warm trial processes"
+    note = (f"{server}; {how}; units_trained in the result: {result.units_trained}; a segment (trial launch) took "
             f"{median(seconds):.1f} s median ({min(seconds):.1f}-{max(seconds):.1f}) from segment_started to "
             f"segment_finished")  # fmt: skip
     out.update(best_trial=result.best_trial, best_metric=float(value), note=note)
@@ -235,17 +259,20 @@ def run_ours(t0: float, folder: str) -> dict[str, Any]:
 def side_main(side: str) -> None:
     t0 = float(os.environ.get(T0) or time.time())
     folder = scratch(f"sweep-{side}-")
-    figures = run_ours(t0, folder) if side == "ours" else run_ray(t0, folder)
+    figures = run_ray(t0, folder) if side == "ray" else run_ours(t0, folder)
     print(MARK + json.dumps(figures), flush=True)
 
 
 # -- the parent: both sides, alternating -----------------------------------------------------------
 def run_side(side: str) -> dict[str, Any]:
     from bench import whole
+    from tasks.trial_runner import PROCESS_PER_SEGMENT_ENV  # the parent's import: Ray's side imports no torch of ours
 
     env = whole.child_env(1, PYTHONUNBUFFERED="1")
     if os.environ.get("PREFECT_API_URL"):  # the user's running server: our side uses it (child_env drops it)
         env["PREFECT_API_URL"] = os.environ["PREFECT_API_URL"]
+    if side == "ours-fresh":
+        env[PROCESS_PER_SEGMENT_ENV] = "1"
     env[T0] = repr(time.time())
     done = whole.run(whole.python("-m", "bench.sweep_vs_ray", "--side", side), env, timeout=1200)
     line = next(x for x in reversed(done.output.splitlines()) if x.startswith(MARK))
@@ -255,7 +282,7 @@ def run_side(side: str) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     p = parser("sweep", __doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=1, help="alternating repetitions of each side")
-    p.add_argument("--sides", default="ours,ray", help="which sides to run, comma-separated: ours, ray")
+    p.add_argument("--sides", default="ours,ray", help=f"which sides to run, comma-separated: {', '.join(SIDES)}")
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # the child process of one side
     args = p.parse_args(argv)
     if args.side:
@@ -263,7 +290,7 @@ def main(argv: list[str]) -> None:
         return
     sides = [s for s in args.sides.split(",") if s]
     if not sides or set(sides) - set(SIDES):
-        p.error(f"--sides {args.sides!r}: give ours, ray or ours,ray")
+        p.error(f"--sides {args.sides!r}: give one or more of {', '.join(SIDES)}, comma-separated")
     load = load_average()
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     for rep in range(args.reps):
@@ -273,7 +300,7 @@ def main(argv: list[str]) -> None:
     head = [f"8 trials (digits, grid {short_space()}), ASHA grace_period 1, reduction_factor 2, max {EPOCHS} "
             f"units of 1 epoch, 2 at a time, CPU, 1 torch thread a trial; metric {METRIC} ({MODE}); "
             f"{args.reps} rep(s), alternating.", ""]  # fmt: skip
-    record("Sweeps: ASHA in the sweep flow vs Ray Tune (issue 35)", head + table(runs), load)
+    record("Sweeps: ASHA in the sweep flow vs Ray Tune (issues 35, 46)", head + table(runs), load)
 
 
 def short_space() -> str:

@@ -43,14 +43,32 @@ def test_units_and_the_time_of_the_best_trials_last_segment_are_read_from_the_le
         event("trial_created", 100.0, trial="t001", index=1, params={"recipe_args.lr": 0.2}),
         event("segment_started", 101.0, trial="t000", run_name="t000", target_units=1),
         event("segment_started", 101.5, trial="t001", run_name="t001", target_units=1),
-        event("segment_finished", 110.0, trial="t000", run_name="t000", target_units=1, status="ok", units_trained=1),
+        event(
+            "segment_finished",
+            110.0,
+            trial="t000",
+            run_name="t000",
+            target_units=1,
+            status="ok",
+            units_trained=1,
+            units=[{"unit": 1, "metrics": {"train_seconds": 2.5}}],
+        ),
         event("segment_finished", 111.0, trial="t001", status="ok", units_trained=1),
         event("segment_finished", 125.0, trial="t001", status="ok", units_trained=3),
         event("segment_finished", 126.0, trial="t000", status="failed", units_trained=0),
     ]
     out = bench.from_ledger(events, "t001", t0=95.0)
-    assert out == {"units": 5, "best_params": {"recipe_args.lr": 0.2}, "to_best": 30.0, "trials": 2,
-                   "per_trial": [1, 4], "launches": 4, "launch_seconds": [9.0]}  # fmt: skip
+    assert out == {
+        "units": 5,
+        "best_params": {"recipe_args.lr": 0.2},
+        "to_best": 30.0,
+        "trials": 2,
+        "per_trial": [1, 4],
+        "launches": 4,
+        "launch_seconds": [9.0],
+        "segment": 9.0,
+        "overhead": 6.5,
+    }  # overhead: the segment's 9 s less its unit's 2.5 s of training
 
 
 def figures(wall: float, to_best: float, units: int) -> dict:
@@ -74,3 +92,15 @@ def test_the_table_of_one_side_has_no_ratio():
     lines = bench.table({"ray": [figures(60.0, 40.0, 32)]})
     assert lines[0] == "| figure | ray |"
     assert "| to the best trial's last result, s | 40.00 |" in lines
+
+
+def test_the_table_compares_warm_trial_processes_with_a_process_per_segment_and_ray():
+    warm = {**figures(30.0, 20.0, 16), "segment": 5.0, "overhead": 4.0}
+    fresh = {**figures(60.0, 50.0, 16), "segment": 20.0, "overhead": 16.0}
+    lines = bench.table({"ours": [warm], "ours-fresh": [fresh], "ray": [figures(20.0, 10.0, 32)]})
+    assert lines[0] == "| figure | ours | ours-fresh | ray | ours / ray | ours-fresh / ray | ours / ours-fresh |"
+    assert "| whole process, s | 30.00 | 60.00 | 20.00 | 1.50x | 3.00x | 0.50x |" in lines
+    assert (
+        "| a segment's overhead, s (wall - its units' train_seconds; median) | 4.00 | 16.00 | - | - | - | 0.25x |"
+        in lines
+    )
