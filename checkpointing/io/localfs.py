@@ -270,22 +270,36 @@ class LocalFiles:
                     self._close(stack.pop(), top)
                     continue
                 name = f"{rel}{entry.name}"
-                if not entry.is_dir(follow_symlinks=False):
-                    regular = entry.is_file(follow_symlinks=False)
-                    found[name] = entry.stat(follow_symlinks=False).st_size if regular else NOT_A_FILE
-                elif len(stack) >= MAX_TREE_DEPTH:
-                    log.warning(
-                        "%s: folders nested deeper than %d levels; not walked (damage)",
-                        printable(os.path.join(where, name))[:500],
-                        MAX_TREE_DEPTH,
-                    )
-                    found[name] = TOO_DEEP
-                else:
-                    child = os.open(entry.name, _DIR_FLAGS, dir_fd=folder)
-                    stack.append((child, os.scandir(child), f"{name}/"))
+                try:
+                    self._visit(entry, name, folder, stack, found, where)
+                except FileNotFoundError:
+                    continue  # gone since its folder was read (a temporary file renamed into place): not listed
         finally:
             for item in stack:
                 self._close(item, top)
+
+    @staticmethod
+    def _visit(
+        entry: Any, name: str, folder: int, stack: list[tuple[int, Any, str]], found: dict[str, int], where: str
+    ) -> None:
+        """Lists one entry: a file's size, NOT_A_FILE, TOO_DEEP, or a folder pushed on ``stack`` to walk."""
+        if not entry.is_dir(follow_symlinks=False):
+            regular = entry.is_file(follow_symlinks=False)
+            found[name] = entry.stat(follow_symlinks=False).st_size if regular else NOT_A_FILE
+        elif len(stack) >= MAX_TREE_DEPTH:
+            log.warning(
+                "%s: folders nested deeper than %d levels; not walked (damage)",
+                printable(os.path.join(where, name))[:500],
+                MAX_TREE_DEPTH,
+            )
+            found[name] = TOO_DEEP
+        else:
+            child = os.open(entry.name, _DIR_FLAGS, dir_fd=folder)
+            try:
+                stack.append((child, os.scandir(child), f"{name}/"))
+            except BaseException:
+                os.close(child)
+                raise
 
     @staticmethod
     def _close(item: tuple[int, Any, str], top: int) -> None:

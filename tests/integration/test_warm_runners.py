@@ -65,8 +65,8 @@ def test_a_runner_killed_mid_segment_is_replaced_and_the_segment_resumes(tmp_pat
         def last_segment_started() -> bool:  # the trial ASHA takes to 4 units, from its unit-2 checkpoint
             try:
                 ledger = events(folder)
-            except LedgerError:  # a listing taken while an event is renamed into place can come back partial
-                return False  # (checkpointing/io/localfs.py sizes(): a vanished entry ends the walk); read again
+            except LedgerError:  # a folder read while the sweep renames an event into place may show a later event
+                return False  # and not that one (a directory read is not a snapshot): this reader reads again
             found = [e for e in ledger if e.kind == "segment_started" and e.body["target_units"] == 4]
             last[0] = found[0].body["run_name"] if found else None
             return last[0] is not None
