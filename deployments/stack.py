@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
 import os
 import re
 import signal
@@ -141,6 +143,7 @@ def start_server(stack: Stack, log: Path | None = None, terminal: bool = False) 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=functools.partial(_stop_with_stack, os.getpid()),
     )
     assert proc.stdout is not None  # stdout=PIPE
     relay(proc.stdout, ServerOutput(open(stack.home / "server.log", "a"), _say))  # noqa: SIM115 - the relay's
@@ -271,22 +274,50 @@ def descendants(pid: int) -> list[int]:
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
     """Stops a process started here and its whole tree: its session's group, then any descendant left."""
-    tree = descendants(proc.pid)
-    for target in (lambda: os.killpg(proc.pid, sig), *[lambda p=p: os.kill(p, sig) for p in tree]):
-        with contextlib.suppress(ProcessLookupError):
-            target()
-    with contextlib.suppress(subprocess.TimeoutExpired):
+    stop_together([proc], sig, timeout)
+
+
+def stop_together(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Stops processes started here and their trees at once: ``sig`` to each, one ``timeout`` for all of them, then
+    SIGKILL to whatever ignored it. Stopped one after another, a worker and a reconciler that each took their time
+    made the stack's Ctrl-C outlast what a terminal (or a test) waits for."""
+    trees = [(proc, descendants(proc.pid)) for proc in procs]
+    for proc, tree in trees:
+        for target in (lambda p=proc.pid: os.killpg(p, sig), *[lambda p=p: os.kill(p, sig) for p in tree]):
+            with contextlib.suppress(ProcessLookupError):
+                target()
+    deadline = time.monotonic() + timeout
+    for proc, _ in trees:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc, tree in trees:
+        for pid in [proc.pid, *tree]:  # whatever ignored the polite signal
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=timeout)
-    for pid in [proc.pid, *tree]:  # whatever ignored the polite signal
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
-    proc.wait(timeout=timeout)
+
+
+def _stop_with_stack(stack_pid: int) -> None:
+    """``preexec_fn`` of the stack's children: the kernel sends SIGTERM, their polite stop, when the process that
+    started them dies, even by SIGKILL (Linux; elsewhere a no-op), so a stack killed while it stops leaves no server,
+    worker or reconciler behind; a child whose parent died before the request exits at once."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != stack_pid:
+        os._exit(1)
 
 
 def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen:
     out = open(log, "ab") if log else None  # noqa: SIM115 - handed to the child, closed with the test's tmp dir
     return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        start_new_session=True,
+        preexec_fn=functools.partial(_stop_with_stack, os.getpid()),
     )
 
 
@@ -328,8 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not leave an orphan behind
             signal.signal(sig, signal.SIG_IGN)
+        # The worker and the reconciler together (the worker waits for its runs' preemption), then the server they
+        # talk to, then its database (SIGINT: PostgreSQL's fast shutdown)
+        stop_together([proc for name, proc in procs if name not in ("server", "postgres")])
         for name, proc in reversed(procs):
-            stop(proc, signal.SIGINT if name == "postgres" else signal.SIGTERM)  # SIGINT: PostgreSQL's fast shutdown
+            if name in ("server", "postgres"):
+                stop(proc, signal.SIGINT if name == "postgres" else signal.SIGTERM)
 
 
 def _parser() -> argparse.ArgumentParser:
