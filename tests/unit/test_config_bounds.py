@@ -45,7 +45,7 @@ MEASURE = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a regression fails here, not the machine
 from training.config import ConfigError, load_config
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])  # peak KiB since exec (ru_maxrss keeps the parent's)
 start = time.process_time()  # CPU seconds: the parser's own work, not the time other processes held the cores
 try:
     load_config(["--config_file", sys.argv[1]])
@@ -56,7 +56,7 @@ except BaseException as exc:
     outcome = f"{type(exc).__name__}: {exc}"[:300]
 seconds = time.process_time() - start
 print(json.dumps({"outcome": outcome, "seconds": seconds,
-                  "grown_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before}))
+                  "grown_kib": int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) - before}))
 """
 
 
