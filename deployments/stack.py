@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import os
 import re
@@ -44,6 +43,7 @@ from pathlib import Path
 
 from deployments import postgres, private_paths
 from deployments.server_output import ServerOutput, relay
+from training.distributed.processes import die_with_parent_now
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"
@@ -143,7 +143,7 @@ def start_server(stack: Stack, log: Path | None = None, terminal: bool = False) 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=functools.partial(_stop_with_stack, os.getpid()),
+        preexec_fn=functools.partial(die_with_parent_now, os.getpid(), signal.SIGTERM),  # see _spawn
     )
     assert proc.stdout is not None  # stdout=PIPE
     relay(proc.stdout, ServerOutput(open(stack.home / "server.log", "a"), _say))  # noqa: SIM115 - the relay's
@@ -297,18 +297,10 @@ def stop_together(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, time
         proc.wait(timeout=timeout)
 
 
-def _stop_with_stack(stack_pid: int) -> None:
-    """``preexec_fn`` of the stack's children: the kernel sends SIGTERM, their polite stop, when the process that
-    started them dies, even by SIGKILL (Linux; elsewhere a no-op), so a stack killed while it stops leaves no server,
-    worker or reconciler behind; a child whose parent died before the request exits at once."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != stack_pid:
-        os._exit(1)
-
-
 def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen:
+    """A child of the stack in a session of its own; the kernel sends it SIGTERM, its polite stop, when the process
+    that started it dies, even by SIGKILL, so a stack killed while it stops leaves no server, worker or reconciler
+    behind (PostgreSQL gets SIGINT the same way: deployments/postgres.py)."""
     out = open(log, "ab") if log else None  # noqa: SIM115 - handed to the child, closed with the test's tmp dir
     return subprocess.Popen(
         command,
@@ -317,7 +309,7 @@ def _spawn(command: list[str], env: dict[str, str], log: Path | None) -> subproc
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
         start_new_session=True,
-        preexec_fn=functools.partial(_stop_with_stack, os.getpid()),
+        preexec_fn=functools.partial(die_with_parent_now, os.getpid(), signal.SIGTERM),
     )
 
 

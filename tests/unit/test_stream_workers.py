@@ -12,10 +12,10 @@ import torch
 
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
+from tests.unit.test_stateful_iterable import latest, train_all
 from training.config import ConfigError
 from training.exceptions import DataError
 from training.recipe.loader import allow_recipe
-from training.unit.loop import run_unit
 from training.unit.warm import PROCESS
 
 pytest.importorskip("torchdata")
@@ -30,19 +30,6 @@ def _allowed():
 def stream_config(make_config, **overrides):
     values = dict(recipe=WORKERS, recipe_args={}, max_duration="8ba", save_interval="4ba", global_batch_size=8)
     return make_config(**{**values, "num_workers": 2, **overrides})
-
-
-def train_all(config) -> None:
-    """Every unit, each resumed from the store as in a new process (without start_checkpoint no warm state is used)."""
-    PROCESS.forget()
-    while not run_unit(config).complete:
-        PROCESS.forget()
-    PROCESS.forget()
-
-
-def latest(config):
-    store = CheckpointStore(config.save_folder, config.run_name)
-    return store.load(store.latest().name, files=[STATE_FILE, "rng-rank0.pt"])
 
 
 @pytest.mark.slow  # loader worker processes start (each ~10-25 s on 2 cores at load 10-20)

@@ -18,18 +18,18 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Asks the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op). Usable as a
-    ``preexec_fn`` for children, or called by a process at its start."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Asks the kernel to send ``sig`` (SIGKILL unless told) to this process when its parent dies (Linux; elsewhere a
+    no-op). Usable as a ``preexec_fn`` for children, or called by a process at its start."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
-def die_with_parent_now(expected_parent: int) -> None:
+def die_with_parent_now(expected_parent: int, sig: int = signal.SIGKILL) -> None:
     """``die_with_parent`` for a process already running: if the parent died before the request (it is no longer
     ``expected_parent``), exit at once."""
-    die_with_parent()
+    die_with_parent(sig)
     if os.getppid() != expected_parent:
         os._exit(1)
 
