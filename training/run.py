@@ -32,6 +32,7 @@ from training.config import TrainConfig
 from training.config.limits import check_limits
 from training.config.trust import confine_locations, release_locations
 from training.distributed.nodes import NodeLauncher
+from training.metrics.log import close_run
 from training.position.progress import Progress, at, check_progress, is_complete, is_past, rescaled, unit_index
 from training.preemption import STOP, raise_if_requested
 from training.recipe.loader import uses_own_loop
@@ -244,6 +245,7 @@ class Run:
             redact_uri(uri),
             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) or "no metrics",
         )
+        close_run(store)  # after the final evaluation's curves: the run's writer threads end with it
         if config.export_on_complete:
             exported = export_checkpoint(uri, config.export_on_complete, storage_options=config.storage_options)
             logger.info(redact_text(exported))

@@ -207,3 +207,17 @@ def test_a_new_event_file_sorts_after_the_newest_one_of_the_same_second(make_con
     (folder / newest).write_bytes(b"")
     metrics_log.metrics_for(config, open_store(config)).start(8)
     assert sorted(p.name for p in folder.glob("events.out.tfevents.*"))[-1] != newest  # readers take it last
+
+
+def test_a_complete_run_leaves_no_writer_thread_and_its_event_file_whole(make_config, train_run, tmp_path):
+    """``train(config)`` from Python owns its threads: TensorBoard's writer (a thread and an open file) closes when
+    the run completes, after the final evaluation's curve, not when the process ends (issue 45)."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    train_run(make_config(max_duration="1ep"))
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == [], f"threads the complete run left running: {left}"
+    assert metrics_log._LOGS == {}
+    assert_one_curve(scalars(tmp_path / "runs" / "r" / "tb"), 8)
+    assert [s for s, _ in scalars(tmp_path / "runs" / "r" / "tb", "eval/loss")] == [8]

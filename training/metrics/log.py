@@ -109,6 +109,14 @@ def metrics_for(config: TrainConfig, store: CheckpointStore, world: World = SING
     return log
 
 
+def close_run(store: CheckpointStore) -> None:
+    """A run is complete in this process: its writer (file and thread) and MLflow run close now, not when the process
+    ends or another run pushes them out (``train(config)`` from Python left TensorBoard's writer thread running)."""
+    log = _LOGS.pop(store.uri, None)
+    if log is not None:
+        log.close()
+
+
 def close_all() -> None:
     """Flushes and closes every open writer (tests, the end of a process)."""
     for log in _LOGS.values():
