@@ -367,8 +367,8 @@ def measure_restore(reps: int) -> tuple[int, dict[str, list[float]]]:
     """Restore of the same ~200 MB state: from the tier (``newest_snapshot``) and from the store (``load_latest``)."""
     from checkpointing.commit.committer import Committer
     from checkpointing.host_tier.tier import HostTier
+    from training.start.host_memory import newest_snapshot
     from training.unit.checkpointer import Checkpointer
-    from training.unit.host_memory import newest_snapshot
 
     config = gpt_config(SIZES["200MB"], "cpu", snapshot_interval="1ba")
     s, store = trained_session(config)

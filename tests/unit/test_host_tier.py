@@ -23,7 +23,7 @@ from checkpointing.host_tier.tier import STALE_SECONDS, HostTier, Record
 from checkpointing.manifest import Writer
 from training.exceptions import InjectedFault
 from training.run import Run, execute_unit
-from training.unit import host_memory
+from training.start import host_memory
 from training.unit.loop import run_unit
 from training.unit.warm import PROCESS
 

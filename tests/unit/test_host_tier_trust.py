@@ -21,7 +21,7 @@ from checkpointing.host_tier.gc import RESUMABLE, sweep, sweep_on_open
 from checkpointing.host_tier.tier import HostTier, Record, _fields_checksum, run_key
 from tests.unit.test_host_tier import SNAPSHOTS, _stop_after_snapshot, assert_same_weights, final_state
 from training.run import Run, execute_unit
-from training.unit import host_memory
+from training.start import host_memory
 
 CLAIM = {"claimed_at": 1.5, "host": "h", "pid": 7}
 

@@ -51,12 +51,12 @@ from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted
 from training.recipe.context import RunContext
 from training.recipe.loader import load_recipe
+from training.start.host_memory import newest_snapshot
 from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint, read_weights
 from training.start.store import open_store
 from training.unit import rng
 from training.unit.checkpointer import Checkpointer, rank_state_file
-from training.unit.host_memory import newest_snapshot
 from training.unit.loop import InjectedFault, UnitResult
 from training.unit.rank_meetings import RankMeetings
 from training.unit.reported_state import ReportError, check_loadable, check_metrics

@@ -22,12 +22,12 @@ from training.recipe.context import RunContext
 from training.recipe.hooks import Hooks
 from training.recipe.loader import Recipe, load_recipe, open_dataset
 from training.start import carry_over
+from training.start.host_memory import newest_snapshot, sharded_snapshot
 from training.start.identity import check_same_run, requested_data_skip, same_data_skip
 from training.start.load_path import read_checkpoint
 from training.start.warm_start import load_start, load_weights
 from training.unit import rng
 from training.unit.figures import UNIT_SO_FAR, UnitFigures
-from training.unit.host_memory import newest_snapshot, sharded_snapshot
 from training.unit.state import SMALL, TrainState
 from training.world import SINGLE_PROCESS, World, rng_file
 
