@@ -51,6 +51,7 @@ TEST_RECIPES = ",".join(
         "tests.own_loop_recipes:SignalledLoopRecipe",
         "tests.own_loop_recipes:SlowRayPortRecipe",
         "tests.recipes_for_tests:SteadySyntheticRecipe",
+        "tests.recipes_for_tests:SparseBufferRecipe",
     ]
 )
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES

@@ -305,3 +305,15 @@ class SteadySyntheticRecipe(SyntheticRecipe):
         import time
 
         time.sleep(self.step_seconds)
+
+
+class SparseBufferRecipe(SyntheticRecipe):
+    """The synthetic model with a sparse buffer in its state_dict: host snapshots cannot copy a sparse tensor, so the
+    run's checkpoints take the serialized path (checkpointing/commit/snapshots.py ``flatten``'s TypeError)."""
+
+    def build_model(self):
+        import torch
+
+        model = super().build_model()
+        model.register_buffer("mask", torch.eye(4).to_sparse())
+        return model

@@ -18,10 +18,9 @@ caller gets a ``PendingCommit``, which says whether it is committed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -192,8 +191,11 @@ def commit_sharded(terms: CommitTerms, state_dict: dict[str, Any], files: dict[s
 
 
 class Background(Protocol):
-    """What the committer waits for besides its own uploads: the snapshot pipeline (snapshots.py)."""
+    """The process's one background commit engine: the snapshot pipeline (snapshots.py) and its upload thread."""
 
+    copies_refused: str | None
+
+    def submit(self, request: CommitRequest) -> PendingCommit: ...
     def wait(self, timeout: float | None = None) -> None: ...
     def keep_newest(self) -> None: ...
     def in_flight(self) -> str | None: ...
@@ -201,13 +203,11 @@ class Background(Protocol):
 
 
 class Committer:
-    """Commits checkpoints of one process: now (``commit``) or on a background thread (``submit``)."""
+    """Commits checkpoints of one process: now, on the calling thread (``commit``), or in the background (``submit``)
+    through the run's snapshot pipeline, whose upload thread is the process's one background commit path: a unit's
+    copy in host memory and a checkpoint serialized on the training thread leave in the order they were taken."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-upload")
-        self._lock = threading.Lock()
-        self._pending: PendingCommit | None = None
-        self._pending_store_uri: str | None = None
         self.snapshots: Background | None = None  # the run's snapshot pipeline (snapshots.py)
         self._snapshots_key: tuple[Any, ...] = ()
 
@@ -241,15 +241,12 @@ class Committer:
         return PendingCommit.of(finish(request))
 
     def submit(self, request: CommitRequest) -> PendingCommit:
-        """Starts committing ``request`` in the background; first waits for (and re-raises) the previous one."""
+        """Hands ``request`` (serialized blobs) to the pipeline's upload thread; committed now without a pipeline."""
         if request.objects is not None:
             raise ValueError("a background commit takes serialized blobs, not live objects")
-        self.wait()
-        pending = PendingCommit(request.name, request.uri, request.size_bytes, request.progress, request.metadata)
-        with self._lock:
-            pending._future = self._pool.submit(_commit_in_background, request)
-            self._pending, self._pending_store_uri = pending, request.store.uri
-        return pending
+        if self.snapshots is None:
+            return self.commit(request)
+        return self.snapshots.submit(request)
 
     def send(self, request: CommitRequest) -> PendingCommit:
         """``submit`` for a request of serialized blobs, ``commit`` for one of live objects."""
@@ -258,54 +255,25 @@ class Committer:
     def in_flight(self, store_uri: str) -> str | None:
         """The name of the checkpoint of that store being uploaded now, if any."""
         if self.snapshots is not None and self._snapshots_key[:1] == (store_uri,):
-            name = self.snapshots.in_flight()
-            if name is not None:
-                return name
-        with self._lock:
-            pending = self._pending
-            same_store = self._pending_store_uri == store_uri
-        return pending.name if pending is not None and same_store and not pending._future.done() else None
+            return self.snapshots.in_flight()
+        return None
 
-    def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Blocks until the commit in flight (if any) is done; re-raises its error. With ``timeout``, a commit
-        still in flight after that long raises TimeoutError and stays in flight."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the commits in flight (if any) are done; re-raises the error of one that failed. With
+        ``timeout``, commits still in flight after that long raise TimeoutError and stay in flight."""
         if self.snapshots is not None:
             self.snapshots.wait(timeout)
-        with self._lock:
-            pending = self._pending
-        if pending is None:
-            return None
-        info = pending._future.result(timeout=timeout)  # TimeoutError leaves it pending
-        with self._lock:
-            if self._pending is pending:
-                self._pending, self._pending_store_uri = None, None
-        return info
 
-    def wait_quietly(self) -> CheckpointInfo | None:
+    def wait_quietly(self) -> None:
         """Like ``wait`` but logs a failure instead of raising (a retry will resume from what committed)."""
         try:
-            return self.wait()
+            self.wait()
         except Exception as exc:
             log.warning(
                 "background commit failed: %s: %s; resuming from the last committed checkpoint",
                 type(exc).__name__,
                 exc,
             )
-            with self._lock:
-                self._pending, self._pending_store_uri = None, None
-            return None
-
-
-def _commit_in_background(request: CommitRequest) -> CheckpointInfo:
-    t0 = time.perf_counter()
-    info = finish(request)
-    log.info(
-        "checkpoint %s committed in the background: %.1f MB in %.2fs",
-        request.name,
-        info.size_bytes / 1e6,
-        time.perf_counter() - t0,
-    )
-    return info
 
 
 def finish(r: CommitRequest, *, drop_superseded: bool = False) -> CheckpointInfo:

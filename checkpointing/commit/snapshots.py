@@ -57,6 +57,7 @@ from checkpointing.host_tier.tier import (
     rebuild,
 )
 from checkpointing.io.redact import redact_uri
+from checkpointing.store import CheckpointInfo
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +110,10 @@ def flatten(objects: Any) -> Flat:
 # -- the pipeline ------------------------------------------------------------------------------------------
 @dataclass
 class _Job:
-    """A snapshot in a slot: published (``record``), then perhaps uploaded."""
+    """A snapshot in a slot: published (``record``), then perhaps uploaded; or (``request``, no slot) a checkpoint
+    already serialized on the training thread, a state the slots cannot hold (``submit``)."""
 
-    slot: Slot
+    slot: Slot | None
     terms: CommitTerms
     name: str
     entries: list[TensorEntry]
@@ -124,6 +126,7 @@ class _Job:
     event: Any = None  # the CUDA copy's event
     published: bool = False
     upload: bool = True  # False: host memory only (an FSDP rank's shards; the store gets the unit's sharded commit)
+    request: CommitRequest | None = None  # submit's serialized checkpoint (no slot)
 
 
 @dataclass
@@ -178,6 +181,7 @@ class SnapshotPipeline:
         # dropped without close(): CUDA keeps the registration, and a new mapping at that address fails to register.
         weakref.finalize(self, _unpin_all, self._slots)
         self._held_by_tier = self._newest_on_disk() if tier else None
+        self.copies_refused: str | None = None  # why this run's state cannot be copied into slots (``flatten``)
 
     # -- the training thread ------------------------------------------------------------------------
     def take(
@@ -220,6 +224,24 @@ class SnapshotPipeline:
             job.seq, self._seq = self._seq, self._seq + 1
         self._publishing = self._publisher.submit(self._publish, job)
         return Taken(pending, time.perf_counter() - t0, waited)
+
+    def submit(self, request: CommitRequest) -> PendingCommit:
+        """Commits a checkpoint serialized on the training thread (``request.blobs``: a state that ``take`` refused)
+        on the upload thread, in order after the snapshots that must reach the store before it; the one background
+        commit path of a process."""
+        if request.objects is not None:
+            raise ValueError("a background commit takes serialized blobs, not live objects")
+        pending = PendingCommit(request.name, request.uri, request.size_bytes, request.progress, request.metadata)
+        job = _Job(None, CommitTerms(request.store, request.progress, request.writer, request.metadata,
+                                     request.retention), request.name, [], None, True, False, pending, {})  # fmt: skip
+        job.request, job.published = request, True
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the snapshot pipeline is closed")
+            job.seq, self._seq = self._seq, self._seq + 1
+            self._queued.append(job)
+            self._pump()
+        return pending
 
     def _layout(self, tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
         """Where each tensor goes in a slot, and the bytes it takes; worked out once while the state keeps its shapes."""
@@ -270,7 +292,7 @@ class SnapshotPipeline:
         return event
 
     def _free_slot(self) -> int | None:
-        held = {j.slot.index for j in (self._newest, self._uploading, *self._queued) if j is not None}
+        held = {j.slot.index for j in (self._newest, self._uploading, *self._queued) if j is not None and j.slot}
         if self._held_by_tier is not None:
             held.add(self._held_by_tier)
         for index in range(MAX_SLOTS):
@@ -341,6 +363,7 @@ class SnapshotPipeline:
 
     # -- the publish thread -------------------------------------------------------------------------
     def _publish(self, job: _Job) -> None:
+        assert job.slot is not None  # taken, not submitted
         if job.event is not None:
             job.event.synchronize()
         if self.tier is not None and job.slot.shared:
@@ -409,6 +432,10 @@ class SnapshotPipeline:
         info = None
         started = time.monotonic()
         try:
+            if job.request is not None:
+                info = _commit_serialized(job.request)
+                return
+            assert job.slot is not None
             entries = [job.slot.tensor(e) for e in job.entries]
             objects = rebuild(job.tree, entries)
             if job.network_weights:
@@ -515,6 +542,19 @@ class SnapshotPipeline:
         assert self.tier is not None
         records = list(self.tier.records(self.rank))
         return max(records, key=lambda r: r[1].seq)[0] if records else None
+
+
+def _commit_serialized(request: CommitRequest) -> CheckpointInfo:
+    t0 = time.perf_counter()
+    log.info("writing checkpoint %s to %s", request.name, redact_uri(request.store.uri))
+    info = finish(request)
+    log.info(
+        "checkpoint %s committed in the background: %.1f MB in %.2fs",
+        request.name,
+        info.size_bytes / 1e6,
+        time.perf_counter() - t0,
+    )
+    return info
 
 
 def _unpin(slot: Slot) -> None:

@@ -107,7 +107,7 @@ class Checkpointer:
             return self._snapshot_shards(s, metrics)
         # Not kept as s.rng_state: that is the unit end's, which a warm next unit restores.
         rng_states = ranks.gather_to_rank0(self._rank_state(s))  # on rank 0; elsewhere empty
-        if self.snapshots is None:  # another rank than 0 (or snapshots fell back to the old way): nothing to copy
+        if not self._copies:  # another rank than 0 (or a state the slots cannot hold): nothing to copy
             return 0.0
         progress = s.progress.as_dict()
         objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": progress}}
@@ -124,7 +124,7 @@ class Checkpointer:
         """parallelism='fsdp': this rank's shards, the small parts and its RNG state, into this machine's memory."""
         from training.unit import fsdp
 
-        if self.snapshots is None:
+        if not self._copies:
             return None
         progress = s.progress.as_dict()
         objects = {
@@ -210,7 +210,7 @@ class Checkpointer:
     def _send(self, progress: dict[str, int], snapshot: Snapshot, metadata: dict[str, Any]) -> Saved:
         """The stall training sees: a copy into host memory (then committed in the background; waited for here when
         uploads are not asynchronous), or, without snapshots, the serialization or the whole commit."""
-        if self.snapshots is not None:
+        if self._copies:
             try:
                 taken = self._take(progress, snapshot(), metadata, must_upload=True)
             except TypeError as exc:
@@ -270,10 +270,21 @@ class Checkpointer:
         s.optimizer.register_step_pre_hook(lambda *_: pipeline.before_step())
         s.optimizer._snapshot_hooked = pipeline  # type: ignore[attr-defined]
 
+    @property
+    def _copies(self) -> bool:
+        """Whether checkpoints are copied into the pipeline's host buffers (else serialized on the training thread)."""
+        return self.snapshots is not None and self.snapshots.copies_refused is None
+
     def _fall_back(self, exc: TypeError) -> None:
-        logger.warning("snapshots off for this run: %s; checkpoints are serialized on the training thread", exc)
-        self.snapshots = None
-        self.committer.drop_snapshots()
+        """The state holds what host buffers cannot take (a sparse tensor, say): for the rest of the run, checkpoints
+        are serialized on the training thread and still committed by the pipeline's upload thread, in order."""
+        assert self.snapshots is not None
+        self.snapshots.copies_refused = str(exc)
+        logger.warning(
+            "snapshots off for this run: %s; checkpoints are serialized on the training thread (and uploaded in the "
+            "background where async_upload is on); snapshot_interval has no effect",
+            exc,
+        )
 
     def _save_shards(self, s: Session, metrics: Mapping[str, float]) -> Saved:
         """parallelism='fsdp': every rank writes its shards and its RNG state; rank 0 commits after all reported
