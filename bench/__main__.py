@@ -27,6 +27,7 @@ BENCHES = {
     "formats": "bench.formats",
     "metrics": "bench.metrics",
     "sweep": "bench.sweep_vs_ray",
+    "fault-matrix": "bench.fault_matrix",
 }
 
 
