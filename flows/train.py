@@ -40,6 +40,7 @@ from training.exceptions import RestartLimitError
 from training.preemption import Preempted
 from training.recipe.loader import allow_recipe
 from training.run import Run, TrainResult
+from training.start import phases
 from training.unit.warm import PROCESS
 
 __all__ = ["Preempted", "RestartLimitError", "TrainConfig", "TrainResult", "allow_recipe", "main", "train"]
@@ -62,16 +63,20 @@ class TrainFlow(Flow):
 
 def train_flow(config: TrainConfig) -> TrainResult:
     """Train ``config.recipe`` to ``config.max_duration``, one checkpointed unit per task."""
+    clock = phases.starting()  # the run's first log line says where its start-up went (training/start/phases.py)
     ship_module_logs()
     end_dead_attempts()  # before this attempt creates a task run of its own
     check_restart_cap(config.max_restarts)
+    clock.mark("restart checks")
     refuse_storage_options_from_parameters()
     owner, attempt = flow_run.id or "", flow_run_attempt()
     label = f"flow run {owner or 'local'} (run {attempt})"
     try:
         with (
             preemption.handling(config.preemption_signals, hold=True),  # after a stop, until the process exits
-            Run.open(config, attempt=attempt, owner=owner, label=label, untrusted=parameters_untrusted()) as run,
+            Run.open(
+                config, attempt=attempt, owner=owner, label=label, untrusted=parameters_untrusted(), phases=clock
+            ) as run,
             AttemptAlive(),
         ):
             try:

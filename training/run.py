@@ -38,6 +38,7 @@ from training.preemption import STOP, raise_if_requested
 from training.recipe.loader import uses_own_loop
 from training.start.identity import check_same_run, requested_data_skip, same_data_skip
 from training.start.overwrite import start_over, starts_over
+from training.start.phases import Phases
 from training.start.preflight import preflight
 from training.start.rollback import pending_roll_back, roll_back
 from training.start.store import open_store
@@ -101,23 +102,35 @@ class Run:
         self.progress = rescaled(progress, config.global_batch_size) if start and not self.own_loop else progress
         self.units: list[UnitResult] = []
         self._guard = RepeatGuard(self.progress)
+        self.startup = Phases()  # where its opening went, phase by phase (Run.open)
 
     # -- opening ------------------------------------------------------------------------------------
     @classmethod
     def open(
-        cls, config: TrainConfig, *, attempt: int = 1, owner: str = "", label: str = "", untrusted: bool = False
+        cls,
+        config: TrainConfig,
+        *,
+        attempt: int = 1,
+        owner: str = "",
+        label: str = "",
+        untrusted: bool = False,
+        phases: Phases | None = None,
     ) -> Run:
         """Every check that can fail runs before anything is written; then the run is claimed for this attempt
         (a live previous attempt is asked to hand over first), rolled back if ``resume_from`` asks, and its start
         resolved. ``owner`` (e.g. a flow run id) and ``label`` say who trains in the run's claims; ``untrusted``: the
         config came from a flow-run parameter (its locations are checked, and every local file of the run is reached
-        from the worker's allowed roots without following a link until the run is closed: training/config/trust.py)."""
+        from the worker's allowed roots without following a link until the run is closed: training/config/trust.py).
+        ``phases`` (training/start/phases.py), a clock the caller started, times each phase for the run's first line."""
+        phases = phases or Phases()
         if not untrusted:
-            return cls._open(config, attempt, owner, label)
+            phases.mark("trust")
+            return cls._open(config, attempt, owner, label, phases)
         check_limits(config)  # what one run may start on this worker: training/config/limits.py
         confine_locations(config)
+        phases.mark("trust")
         try:
-            run = cls._open(config, attempt, owner, label)
+            run = cls._open(config, attempt, owner, label, phases)
         except BaseException:
             release_locations()
             raise
@@ -125,10 +138,12 @@ class Run:
         return run
 
     @classmethod
-    def _open(cls, config: TrainConfig, attempt: int, owner: str, label: str) -> Run:
+    def _open(cls, config: TrainConfig, attempt: int, owner: str, label: str, phases: Phases) -> Run:
         epoch_size = preflight(config)  # recipe allowed, arguments sane, model builds: before anything is written
+        phases.mark("preflight")
         store = open_store(config)
         start = store.latest()
+        phases.mark("store")
         over = starts_over(config, store, start, attempt)  # autoresume=False on a run with checkpoints: refused, or
         if start is not None and not over:  # (save_overwrite=True) started over once the run is claimed
             check_same_run(config, start, store)
@@ -138,10 +153,12 @@ class Run:
         if start is not None and not over and not rollback_to:
             check_resumable(config, start, epoch_size)
         raise_if_requested(start.name if start else None)  # stopped during start-up: nothing claimed, nothing lost
+        phases.mark("checks")
         label = label or f"process {os.getpid()} on {socket.gethostname()} (attempt {attempt})"
         handover = config.preemption_grace_seconds + 2 * LEASE_STALE
         generation = store.claim_generation(label=label, owner=owner, handover_seconds=handover)
         lease = Lease(store.fence, generation, on_stop=_handover_requested).start()
+        phases.mark("claim")
         try:
             if over or rollback_to:  # what this machine's memory holds of the run must not be resumed from
                 discard_host_snapshots(store, PROCESS.committer)
@@ -155,15 +172,18 @@ class Run:
             lease.release()
             raise
         run.warnings = [w for w in (load_path_warning(run), overshoot_warning(run)) if w]
+        phases.mark("start")
+        run.startup = phases
         for warning in run.warnings:
             logger.warning(warning)
         logger.info(
-            "run %s in %s%s: %s; %s",
+            "run %s in %s%s: %s; %s; %s",
             config.run_name,
             redact_uri(store.uri),
             " (train_loop)" if run.own_loop else "",
             run.started_from,
             "nothing left" if run.complete else f"training to {config.max_duration}",
+            phases.line(),
         )
         return run
 
