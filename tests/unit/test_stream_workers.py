@@ -1,6 +1,7 @@
 """A stateful stream read by loader workers (num_workers=2, training/position/stream_workers.py): the saved position is
 torchdata's StatefulDataLoader state, every worker's stream state in it; a run resumed from the store after each unit
-trains what an uninterrupted one trains, a resume at another num_workers or world size is refused in one line with
+trains what an uninterrupted one trains, its samples augmented with noise from the workers' own generators (torch,
+random, numpy: seeded per sample, training/position/worker_seeds.py), a resume at another num_workers or world size is refused in one line with
 nothing written, and a saved state of another shape is one DataError before any worker sees it."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
+from tests.stateful_iterable_recipes import write_json_rows
 from tests.unit.test_stateful_iterable import latest, train_all
 from training.config import ConfigError
 from training.exceptions import DataError
@@ -44,7 +46,8 @@ def test_workers_resumed_from_the_store_after_each_unit_train_what_an_uninterrup
     saved = b.objects["rng-rank0.pt"]["data"]
     assert (saved["num_workers"], saved["world_size"]) == (2, 1)
     workers = saved["state"]["_snapshot"]["_worker_snapshots"]  # 64 samples, drawn in turn by the two workers
-    assert [workers[f"worker_{i}"]["dataset_state"] for i in (0, 1)] == [{"count": 32}, {"count": 32}]
+    seeded = {"stream": {"count": 32}, "samples": 32}  # the stream's own state, and the count its seeds come from
+    assert [workers[f"worker_{i}"]["dataset_state"] for i in (0, 1)] == [seeded, seeded]
     assert b.info.progress["samples_seen"] == 64
 
 
@@ -100,7 +103,10 @@ def test_workers_without_torchdata_installed_are_one_line_naming_the_extra(make_
 
 def _loader_state(workers: int = 2) -> dict:
     """A StatefulDataLoader state as worker_loader writes it (the shape test_workers_... reads back from a run)."""
-    worker = {"dataset_state": {"count": 3}, "fetcher_state": {"dataset_iter_state": None, "fetcher_ended": False}}
+    worker = {
+        "dataset_state": {"stream": {"count": 3}, "samples": 3},
+        "fetcher_state": {"dataset_iter_state": None, "fetcher_ended": False},
+    }
     return {
         "_snapshot": {
             "_snapshot_step": 6,
@@ -128,6 +134,10 @@ FORGED = {
     "a non-string key": _forged(lambda s: s["_snapshot"]["_main_snapshot"].update({3: 1})),
     "a deep nest": _forged(lambda s: s["_snapshot"]["_main_snapshot"].update(deep=[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]])),
     "not a dict": [1, 2],
+    "a worker's state without its sample count": _forged(
+        lambda s: s["_snapshot"]["_worker_snapshots"]["worker_0"].update(dataset_state={"count": 3})),
+    "a negative sample count": _forged(
+        lambda s: s["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"].update(samples=-1)),
 }  # fmt: skip
 
 
@@ -147,18 +157,13 @@ def test_a_saved_loader_state_of_another_shape_is_one_data_error_before_any_work
 
 
 @pytest.mark.slow  # loader worker processes start (each ~10-25 s on 2 cores at load 10-20)
-def test_a_hugging_face_streaming_dataset_read_by_two_workers_resumes_exactly(make_config, train_run, tmp_path):
+def test_an_augmented_hugging_face_streaming_dataset_read_by_two_workers_resumes_exactly(
+    make_config, train_run, tmp_path
+):
     pytest.importorskip("datasets")
-    import json
-
-    g = torch.Generator().manual_seed(3)
-    files = []
-    for f in range(4):  # 4 files of 20 rows, 2 a worker: 2 units of 4 steps of 8 (32 rows a worker) cross a file end
-        path = tmp_path / f"part-{f}.jsonl"
-        rows = [{"x": row.tolist(), "y": int(row[:4].argmax())} for row in torch.randn(20, 16, generator=g)]
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        files.append(str(path))
-    recipe, args = "tests.stateful_iterable_recipes:JsonStreamRecipe", {"data_files": files}
+    # 4 files of 20 rows, 2 a worker: 2 units of 4 steps of 8 (32 rows a worker) cross a file end
+    files = write_json_rows(tmp_path, files=4, rows=20)
+    recipe, args = "tests.stateful_iterable_recipes:JsonStreamRecipe", {"data_files": files, "augment": True}
     allow_recipe(recipe)
     warm = stream_config(make_config, run_name="warm", recipe=recipe, recipe_args=args)
     cold = stream_config(make_config, run_name="cold", recipe=recipe, recipe_args=args)
@@ -169,5 +174,5 @@ def test_a_hugging_face_streaming_dataset_read_by_two_workers_resumes_exactly(ma
     wa, wb = (x.objects[STATE_FILE]["state"]["model"] for x in (a, b))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     workers = b.objects["rng-rank0.pt"]["data"]["state"]["_snapshot"]["_worker_snapshots"]
-    states = [workers[f"worker_{i}"]["dataset_state"] for i in (0, 1)]  # Hugging Face's own, one a worker
+    states = [workers[f"worker_{i}"]["dataset_state"]["stream"] for i in (0, 1)]  # Hugging Face's own, one a worker
     assert [s["examples_iterable"]["previous_state_example_idx"] for s in states] == [32, 32]  # 64 samples in turn

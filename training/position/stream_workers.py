@@ -7,6 +7,12 @@ the product's loader makes the micro-batches, of any size), that state is exact 
 position a checkpoint saves (training/position/iterable.py). torchdata is imported only here, only for a stateful
 stream with ``num_workers > 0`` (``pip install 'resumable-train[streams]'``).
 
+A worker's random generators (torch's, Python's ``random``, NumPy's global one) are not in that state: torch seeds
+them once, when the worker starts. ``SeededStream`` seeds them again before each sample the worker reads, from the
+run's seed, the rank, the worker and how many samples that worker has read (training/position/worker_seeds.py), and
+that count is in the worker's state: a stream that draws random numbers while it makes a sample (augmentation)
+resumes with the numbers an uninterrupted run's workers draw.
+
 The state comes back from the store: ``check_loader_state`` accepts only the shape this module writes (the worker
 count, the keys, plain values, bounded) before torchdata sees it; anything else is one ``DataError``. What a worker's
 stream state holds is the stream's own business, as with ``num_workers=0``.
@@ -21,6 +27,7 @@ import torch
 
 from training.config import ConfigError
 from training.exceptions import DataError
+from training.position.worker_seeds import seed_generators
 
 MAX_NODES = 100_000  # values in one rank's saved loader state (a worker's stream state is a few dozen)
 MAX_DEPTH = 32
@@ -28,10 +35,41 @@ MAX_PREFETCH = 128  # samples in flight per worker: about one step's share, at m
 _TOP = {"_snapshot", "_steps_since_snapshot", "_iterator_finished"}
 _SNAPSHOT = {"_snapshot_step", "_last_yielded_worker_id", "_main_snapshot", "_worker_snapshots"}
 _WORKER = {"worker_id", "dataset_state", "fetcher_state"}
+_SEEDED = {"stream", "samples"}  # SeededStream's state: the stream's own, and the samples this worker has read
 
 
 def _as_is(sample: Any) -> Any:
     return sample  # the product's loader collates (the recipe's collate_fn), in the training process
+
+
+class SeededStream(torch.utils.data.IterableDataset):
+    """``stream`` as each loader worker reads it: before each of its samples, and before each pass starts, the
+    worker's generators are seeded from (``seed``, the worker, the samples this worker has read); its state is the
+    stream's and that count. ``seed`` is the run's seed and the rank (``prepare_stream``)."""
+
+    def __init__(self, stream: Any, seed: int):
+        self.stream, self.seed, self.samples = stream, seed, 0
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else -1
+        seed_generators(self.seed, worker, self.samples, 0)  # what the stream draws as its pass starts
+        samples = iter(self.stream)
+        while True:
+            seed_generators(self.seed, worker, self.samples, 1)  # what it draws to make its next sample
+            try:
+                sample = next(samples)
+            except StopIteration:
+                return
+            self.samples += 1
+            yield sample
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict(), "samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.samples = state["samples"]
 
 
 def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: int) -> Any:
@@ -49,7 +87,7 @@ def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: in
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch: not the user's to fix
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(
-            stream,
+            SeededStream(stream, seed),
             batch_size=None,
             num_workers=num_workers,
             collate_fn=_as_is,
@@ -57,7 +95,7 @@ def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: in
             multiprocessing_context="forkserver",  # as the product's own loader: forked Prefect threads die at exit
             prefetch_factor=min(MAX_PREFETCH, max(2, -(-samples_per_step // num_workers))),
             snapshot_every_n_steps=1,  # every sample carries its worker's state: exact after any sample
-            generator=torch.Generator().manual_seed(seed % 2**63),  # the workers' base seed, saved in the state
+            generator=torch.Generator().manual_seed(seed % 2**63),  # the base seed (SeededStream reseeds per sample)
         )
 
 
@@ -94,6 +132,9 @@ def _check_shape(state: Any, num_workers: int) -> None:
         worker = _keys(workers[f"worker_{i}"], _WORKER, f"worker_{i}")
         if worker["worker_id"] != i or not isinstance(worker["fetcher_state"], dict):
             raise ValueError(f"worker_{i}'s snapshot names another worker, or has no fetcher state")
+        seeded = _keys(worker["dataset_state"], _SEEDED, f"worker_{i}'s dataset state")
+        if not _is_int(seeded["samples"], 0, 2**62):
+            raise ValueError(f"worker_{i}'s sample count is not a count")
 
 
 def _keys(value: Any, keys: set[str], what: str) -> dict[str, Any]:

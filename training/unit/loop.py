@@ -9,7 +9,6 @@ checkpoint there, and raises ``Preempted``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from training.metrics.log import MetricLog, metrics_for
 from training.position.iterable import loader_workers
 from training.position.progress import crossed, ends_unit, is_complete, samples_left, unit_index
 from training.position.sampler import ResumableBatchSampler
+from training.position.worker_seeds import seed_generators
 from training.preemption import Preempted, SaveBudget, Stop
 from training.start.store import open_store
 from training.unit import session as sessions
@@ -452,12 +452,14 @@ def _timed_start(loader: Any, workers: int, say: bool) -> Iterator[Any]:
 
 
 class _CurrentSampler:
-    """The batch sampler of a loader that outlives units: it yields what the current unit's sampler yields."""
+    """The batch sampler of a loader that outlives units: it yields what the current unit's sampler yields, each
+    micro-batch's ids with its epoch (``_SeededByBatch`` seeds from both)."""
 
     current: Any = None
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.current)
+    def __iter__(self) -> Iterator[Any]:  # (epoch, ids): a "batch" only _SeededByBatch reads
+        epoch = self.current.epoch
+        return ((epoch, ids) for ids in self.current)
 
     def __len__(self) -> int:
         return len(self.current)
@@ -465,8 +467,9 @@ class _CurrentSampler:
 
 class _SeededByBatch(torch.utils.data.Dataset):
     """The recipe's dataset as a loader worker sees it: before each batch the worker's random generators (torch,
-    random, numpy) are seeded from the run's seed and the batch's sample ids, so augmentation draws the same numbers
-    for the same batch whatever the worker loaded before."""
+    random, numpy) are seeded from the run's seed, the epoch and the batch's sample ids
+    (training/position/worker_seeds.py), so augmentation draws the same numbers for the same batch whatever the worker
+    loaded before (a resumed run's new workers included), and other numbers in another epoch."""
 
     def __init__(self, dataset: Any, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -477,25 +480,12 @@ class _SeededByBatch(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Any:
         return self.dataset[i]
 
-    def __getitems__(self, ids: list[int]) -> list[Any]:
-        if torch.utils.data.get_worker_info() is not None:
-            _seed_worker(self.seed, ids)
+    def __getitems__(self, batch: tuple[int, list[int]]) -> list[Any]:
+        epoch, ids = batch  # from _CurrentSampler, whose loader alone reads this dataset
+        if torch.utils.data.get_worker_info() is not None:  # never the training process's own generators
+            seed_generators(self.seed, epoch, len(ids), ids[0] if ids else -1, ids[-1] if ids else -1)
         many = getattr(self.dataset, "__getitems__", None)
         return list(many(ids)) if many is not None else [self.dataset[i] for i in ids]
-
-
-def _seed_worker(seed: int, ids: list[int]) -> None:
-    import random
-
-    import numpy as np
-
-    digest = hashlib.blake2b(
-        f"{seed}:{len(ids)}:{ids[0] if ids else -1}:{ids[-1] if ids else -1}".encode(), digest_size=8
-    )
-    value = int.from_bytes(digest.digest(), "little")
-    torch.manual_seed(value)
-    random.seed(value)
-    np.random.seed(value % 2**32)
 
 
 def _step(s: Session, micro: list[list[int]], global_n: int, batches: Iterator[Any]) -> float:
