@@ -1,10 +1,13 @@
 """A run fed by a stateful IterableDataset (training/position/iterable.py), really SIGKILLed mid-unit while it snapshots
 every step, relaunched with the same command: the relaunch loads the stream's state saved beside its RNG state in the
-newest snapshot and ends with the weights of a run that was never killed. With ``num_workers=2`` the stream is a Hugging
-Face streaming dataset over JSONL files, augmented with noise from its workers' own generators (torch, random, numpy),
-read by two loader worker processes (killed with it: they are in its process group): the state saved is torchdata's
-StatefulDataLoader's, every worker's Hugging Face state and sample count in it (training/position/stream_workers.py),
-and the relaunch's new workers draw the noise an uninterrupted run's draw (training/position/worker_seeds.py)."""
+newest snapshot and ends with the weights of a run that was never killed. With ``num_workers=2`` the stream is read by two
+loader worker processes (killed with it: they are in its process group), and the state saved is torchdata's
+StatefulDataLoader's, every worker's stream state and sample count in it (training/position/stream_workers.py); its
+samples are augmented with noise from the workers' own generators (torch, random, numpy), which the relaunch's new
+workers draw as the uninterrupted run's did (training/position/worker_seeds.py). A Hugging Face streaming dataset read
+by two workers is resumed from the store in tests/unit/test_stream_workers.py: under a SIGKILL it would take the same
+path as this stream (its state is as opaque to the snapshot as this one's) and cost ~20-30 s more (importing
+``datasets`` in every process and worker)."""
 
 from __future__ import annotations
 
@@ -22,20 +25,19 @@ import torch
 
 from checkpointing.export import model_weights
 from tests.conftest import HOST_TIER_DIR, ROOT, wait_until
-from tests.stateful_iterable_recipes import write_json_rows
 
 pytestmark = pytest.mark.slow
 RECIPE = "tests.stateful_iterable_recipes:CountingStreamRecipe"
-HF_RECIPE = "tests.stateful_iterable_recipes:JsonStreamRecipe"  # Hugging Face splits its files between the workers
+WORKERS_RECIPE = "tests.stream_worker_recipes:WorkerCountingStreamRecipe"  # each worker its share, augmented
 SHM = Path("/dev/shm")
 STEP = re.compile(r"unit \d+: step (\d+),")
 STARTED = re.compile(r"unit \d+ \(attempt \d+\): starting from (.+) at epoch \d+, step (\d+),")
 
 
-def command(folder: str, recipe: str = RECIPE, num_workers: int = 0, steps: int = 40, args: dict | None = None) -> list:
+def command(folder: str, recipe: str = RECIPE, num_workers: int = 0, steps: int = 40) -> list[str]:
     return [
         sys.executable, "-m", "tests.run_lifecycle", "--run_name", "k", "--save_folder", folder,
-        "--recipe", recipe, "--recipe_args", json.dumps({"hidden": 1024, "num_layers": 3, **(args or {})}),
+        "--recipe", recipe, "--recipe_args", json.dumps({"hidden": 1024, "num_layers": 3}),
         "--max_duration", f"{steps}ba", "--save_interval", "10ba", "--snapshot_interval", "1ba",
         "--global_batch_size", "32", "--seed", "7", "--log_every_n_steps", "1", "--num_workers", str(num_workers),
     ]  # fmt: skip
@@ -44,7 +46,7 @@ def command(folder: str, recipe: str = RECIPE, num_workers: int = 0, steps: int 
 ENV = {
     "PYTHONPATH": str(ROOT),
     "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR,
-    "TRAIN_ALLOWED_RECIPES": f"{RECIPE},{HF_RECIPE}",
+    "TRAIN_ALLOWED_RECIPES": f"{RECIPE},{WORKERS_RECIPE}",
 }
 
 
@@ -106,12 +108,10 @@ def test_a_stateful_stream_killed_mid_unit_resumes_from_its_snapshot_bit_identic
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_an_augmented_hugging_face_stream_read_by_two_workers_killed_mid_unit_resumes_bit_identical(tmp_path):
+def test_an_augmented_stream_read_by_two_workers_killed_mid_unit_resumes_bit_identical(tmp_path):
     pytest.importorskip("torchdata")
-    pytest.importorskip("datasets")
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
-    files = write_json_rows(tmp_path, files=4, rows=160)  # 640 rows: 20 steps of 32, a file end crossed at step 10
-    workers = {"recipe": HF_RECIPE, "num_workers": 2, "steps": 20, "args": {"data_files": files, "augment": True}}
+    workers = {"recipe": WORKERS_RECIPE, "num_workers": 2, "steps": 20}
     run(command(reference, **workers), tmp_path / "reference.log")
     finished = kill_mid_unit(command(killed, **workers), tmp_path / "killed.log")
     text = run(command(killed, **workers), tmp_path / "relaunched.log")
