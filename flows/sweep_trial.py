@@ -71,7 +71,9 @@ def run_segment(spec_file: str) -> int:
 
     from prefect import tags
 
-    with tags(str(spec.get("tag") or "sweep-trial")):  # the trial task ends this flow run if the process dies
+    from tasks.trial import TRIAL_TAG
+
+    with tags(str(spec.get("tag") or TRIAL_TAG)):  # the trial task ends this flow run if the process dies
         return cli.run_checked(train, config, {}, done, verbose=False)
 
 
@@ -87,7 +89,7 @@ def serve(spec_file: str) -> int:
     # Ctrl-C reaches the whole process group: a segment turns it into a stop request (cli.run_checked's handlers); an
     # idle runner has nothing to stop and ends when the sweep closes its stdin, without a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    settle()
+    gc.freeze()  # the imports' objects (the first settle: what they left as garbage is next to nothing)
     segments = 0
     for line in sys.stdin:
         if line.strip() != "run":
@@ -115,9 +117,10 @@ def settle() -> None:
     """Moves every object alive now out of the cyclic garbage collector's sight (``gc.freeze``), once the imports are
     done: the reset between segments collects garbage (training/unit/warm.py), and a full collection over the ~500,000
     objects of torch's, Prefect's and a recipe's modules took 0.2-0.5 s per segment, for garbage that is all the
-    segment's own. Called at the runner's start and once after its first segment (reset by then, so what it leaves
-    alive is what any later segment finds too). Objects frozen are still freed when nothing refers to them; only a
-    reference cycle among them that becomes garbage later is kept, once, not per segment."""
+    segment's own. Done at the runner's start (without a collection: its imports left next to no garbage) and here,
+    once after its first segment (reset by then, so what it leaves alive is what any later segment finds too).
+    Objects frozen are still freed when nothing refers to them; only a reference cycle among them that becomes
+    garbage later is kept, once, not per segment."""
     gc.collect()
     gc.freeze()
 

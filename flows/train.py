@@ -15,7 +15,7 @@ UI's artifacts, and the state a preempted attempt leaves the flow run in (flows/
 import sys
 
 from prefect import Flow
-from prefect.context import FlowRunContext
+from prefect.context import FlowRunContext, TagsContext
 from prefect.runtime import flow_run
 
 from checkpointing import FencedError
@@ -34,6 +34,7 @@ from flows.restarts import (
 )
 from flows.server import prefect_api
 from tasks import evaluate, unit_outcome, unit_task
+from tasks.trial import TRIAL_TAG
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.exceptions import RestartLimitError
@@ -78,6 +79,7 @@ def train_flow(config: TrainConfig) -> TrainResult:
                 config, attempt=attempt, owner=owner, label=label, untrusted=parameters_untrusted(), phases=clock
             ) as run,
             AttemptAlive(),
+            tasks_without_trial_tag(),
         ):
             try:
                 return _train(config, run)
@@ -124,6 +126,16 @@ def stopped_between_units(run: Run) -> None:
         return
     PROCESS.committer.wait_quietly()
     raise Preempted(stop, run.head, run.progress.step, None)
+
+
+def tasks_without_trial_tag() -> TagsContext:
+    """The tags this flow run's task runs get: the flow run's, less the one a sweep's trial puts on its flow run
+    (``sweep-trial-<random>``, tasks/trial.py: the sweep finds a dead trial process's flow run by it). Prefect's task
+    engine asks the API for a concurrency slot under every tag of a task run and releases it after: for that tag, which
+    no limit can name, two calls a unit and a new client a segment, and the acquisition waited 1.6-4.8 s on the
+    server under load (issue 46). A user's own tags stay (a concurrency limit on them still holds)."""
+    current = TagsContext.get().current_tags
+    return TagsContext(current_tags={tag for tag in current if not tag.startswith(TRIAL_TAG)})
 
 
 def refuse_storage_options_from_parameters() -> None:

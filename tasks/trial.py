@@ -59,6 +59,7 @@ from training.start.store import open_store
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 EXIT_STOPPED = (130, 143)
 UNTRUSTED_ENV = "SWEEP_TRIAL_UNTRUSTED"  # set by the sweep: this trial's parameters came from a deployment run's API
+TRIAL_TAG = "sweep-trial"  # the tag of a trial's flow run, "sweep-trial-<random>": finds it if its process dies
 _TAIL = 2000  # characters of a failed child's stderr kept for its message
 PROCESS_DIED = (
     "ProcessDied"  # the state of a dead trial process's flow run: not Crashed, which restart automations watch
@@ -125,7 +126,7 @@ def run_trial(config: TrainConfig, recipe_path: str, untrusted: bool) -> Segment
     with tempfile.TemporaryDirectory(prefix="trial-", dir=RUNNERS.folder, ignore_cleanup_errors=True) as folder:
         spec, result = os.path.join(folder, "spec.json"), os.path.join(folder, "result.json")
         fields = config.model_dump(mode="json", exclude={"storage_options", "config_file"})
-        tag = f"sweep-trial-{uuid.uuid4().hex[:12]}"  # finds the child's flow run if the child dies
+        tag = f"{TRIAL_TAG}-{uuid.uuid4().hex[:12]}"  # finds the child's flow run if the child dies
         payload = {"config": fields, "result_file": result, "tag": tag}
         env = _child_env(config, recipe_path, untrusted)
         if RUNNERS.is_open:  # a warm runner of this sweep (tasks/trial_runner.py): no process start, no imports
