@@ -19,6 +19,12 @@ the process did, by which time the run was restarted, and that second Crashed la
 attempt, alive). And it runs the reconciler (deployments/recovery.py), the one component that restarts a crashed run,
 every few seconds beside the worker (``--no-reconciler`` to leave that to another process): two reconcilers at once
 still make one restart.
+
+And it outlives an API outage. Prefect's worker gives up after about a minute of failed polls (its
+``critical_service_loop``: "Service exceeded error threshold"), and its exit takes its flow-run processes with it: a
+PostgreSQL outage of 2 minutes (every request a 500) ended the worker at +47 s and SIGKILLed a run that was training
+fine, which then stayed Running with no process while no reconciler ran (bench/fault_matrix.py, 2026-12-06). Here the
+loop starts again each time it gives up (``outliving_service_loop``), polling at most every 8 intervals meanwhile.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from uuid import UUID
 
 import anyio
 import anyio.abc
+import prefect.workers.base
 from prefect.client.schemas.objects import StateType
+from prefect.utilities.services import critical_service_loop
 from prefect.workers.process import ProcessWorker
 
 from deployments import recovery
@@ -108,6 +116,24 @@ class _Started:
         self.inner.started(value)
 
 
+async def outliving_service_loop(workload: Any, interval: float, *args: Any, **kwargs: Any) -> None:
+    """Prefect's ``critical_service_loop``, started again whenever it exceeds its error threshold (the API or its
+    database is down): the worker keeps its flow runs through an outage and polls again once the API answers."""
+    while True:
+        try:
+            return await critical_service_loop(workload, interval, *args, **kwargs)
+        except RuntimeError as exc:
+            if "error threshold" not in str(exc):
+                raise
+            say(f"the Prefect API keeps failing ({getattr(workload, '__name__', workload)}): the worker and its flow "
+                "runs stay; trying again")  # fmt: skip
+
+
+def outlive_api_outages() -> None:
+    """The worker's polling and sync loops (prefect.workers.base) outlive an API outage (``outliving_service_loop``)."""
+    prefect.workers.base.critical_service_loop = outliving_service_loop  # type: ignore[attr-defined]
+
+
 async def preempt_runs(worker: PreemptingProcessWorker, seconds: float) -> None:
     """SIGTERM to each flow-run process (also to one that starts meanwhile); returns once none is left, or after
     ``seconds``."""
@@ -164,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     worker = PreemptingProcessWorker(work_pool_name=args.pool, name=args.name, limit=args.limit)
+    outlive_api_outages()
     stop = threading.Event()
     if not args.no_reconciler:
         names = list(recovery.DEFAULT_DEPLOYMENTS)
