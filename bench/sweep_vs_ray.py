@@ -11,7 +11,8 @@ its own clock, when the best trial's last result was recorded (seconds since the
   tasks/trial_runner.py; ASHA pauses a trial at a rung and resumes it from its rung checkpoint); against a running
   Prefect server when PREFECT_API_URL is set, else with what ``sweep()`` starts itself. Times and units are read from
   its ledger's events; a segment's overhead is its wall time (segment_started to segment_finished) minus the
-  ``train_seconds`` of the units it trained.
+  ``train_seconds`` of the units it trained. The note adds each start-up phase's median over the segments, read from
+  their runs' first lines (``start-up ... (reset ..., flow run ..., preflight ...)``, training/start/phases.py).
 * ours-fresh: the same, with ``SWEEP_PROCESS_PER_SEGMENT=1``: a fresh ``python -m flows.sweep_trial`` process per
   segment, as before issue 46.
 * ray: ``tune.Tuner`` of a function trainable written as Ray's guides write one (the recipe's model, optimizer,
@@ -28,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,7 @@ EPOCHS, BATCH, SEED = 4, 32, 0
 METRIC, MODE = "eval_loss", "min"
 SIDES = ("ours", "ours-fresh", "ray")
 MARK = "SWEEP_BENCH_RESULT "  # the line a side prints its figures on (JSON)
+STARTUP = re.compile(r"; start-up [\d.]+ s \(([^)]*)\)")  # each segment's run says where its start-up went
 T0 = "SWEEP_BENCH_T0"  # the parent's time.time() just before it started the side's process
 
 
@@ -264,6 +267,18 @@ def side_main(side: str) -> None:
 
 
 # -- the parent: both sides, alternating -----------------------------------------------------------
+def startup_phases(output: str) -> dict[str, float]:
+    """The median seconds of each start-up phase over the segments whose first line is in ``output`` (the run's
+    ``start-up 0.27 s (reset 0.00 s, flow run 0.12 s, ...)``, training/start/phases.py); empty on Ray's side."""
+    seen: dict[str, list[float]] = {}
+    for found in STARTUP.finditer(output):
+        for part in found.group(1).split(", "):
+            name, _, seconds = part.rpartition(" ")[0].rpartition(" ")
+            if name:
+                seen.setdefault(name, []).append(float(seconds))
+    return {name: round(median(values), 2) for name, values in seen.items()}
+
+
 def run_side(side: str) -> dict[str, Any]:
     from bench import whole
     from tasks.trial_runner import PROCESS_PER_SEGMENT_ENV  # the parent's import: Ray's side imports no torch of ours
@@ -276,7 +291,11 @@ def run_side(side: str) -> dict[str, Any]:
     env[T0] = repr(time.time())
     done = whole.run(whole.python("-m", "bench.sweep_vs_ray", "--side", side), env, timeout=1200)
     line = next(x for x in reversed(done.output.splitlines()) if x.startswith(MARK))
-    return {**json.loads(line[len(MARK) :]), "wall": done.wall}
+    figures = {**json.loads(line[len(MARK) :]), "wall": done.wall}
+    phases = startup_phases(done.output)
+    if phases:
+        figures["note"] += "; a segment's start-up, median s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+    return figures
 
 
 def main(argv: list[str]) -> None:

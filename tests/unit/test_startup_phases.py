@@ -84,3 +84,16 @@ def test_a_warm_runner_s_hand_over_starts_the_clock_once():
     assert list(started.spans) == ["reset", "flow run"]
     assert started.spans["reset"] >= 0.05
     assert list(phases.starting().spans) == []  # a hand-over counts for the one run that follows it
+
+
+def test_the_sweep_bench_reads_each_segment_s_start_up_phases_from_the_runs_first_lines():
+    from bench.sweep_vs_ray import startup_phases
+
+    lines = []
+    for reset, flow_run in [(0.0, 0.12), (0.4, 0.1), (0.2, 0.14)]:
+        clock = Phases()
+        clock.spans.update({"reset": reset, "flow run": flow_run, "claim name": 0.01})
+        lines.append(f"12:00:00.000 | INFO | training.run - run t000 in /runs/t000: no checkpoint; training to 1ep; "
+                     f"{clock.line()}")  # fmt: skip
+    assert startup_phases("\n".join(lines)) == {"reset": 0.2, "flow run": 0.12, "claim name": 0.01}
+    assert startup_phases("Ray's side prints no such line") == {}
