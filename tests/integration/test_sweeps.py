@@ -3,8 +3,10 @@ again with the same command, a trial's process SIGKILLed mid-unit, a SIGTERM to 
 deciding exactly what an uninterrupted sweep decided, with its best weights, and no trial run starts over: every
 trial's run logs "no checkpoint" once, unless it was killed before it had committed anything.
 
-4 trials, 2 at a time, rungs at 1, 2 and 4 units (grace_period 1, reduction_factor 2): 7 trial segments, each a
-process of its own; a unit is an epoch of 8 steps of at least STEP_SECONDS, so the trials are training when killed.
+4 trials, 2 at a time, rungs at 1, 2 and 4 units (grace_period 1, reduction_factor 2): 7 trial segments, run in at
+most 2 warm trial processes (tasks/trial_runner.py, the default); a unit is an epoch of 8 steps of at least
+STEP_SECONDS, so the trials are training when killed. The trial process SIGKILLed mid-unit is such a warm runner: its
+test also checks that it was replaced (test_warm_runners.py's own kill test was merged into it, issue 47).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointStore, Ledger, open_checkpoint_uri
+from checkpointing.errors import LedgerError
 from checkpointing.io.storage import Storage
 from checkpointing.store import STATE_FILE
 from deployments.stack import descendants
@@ -39,6 +42,7 @@ TIMINGS = ("samples_per_second", "train_seconds")  # a unit's speed: differs bet
 FRESH_UNIT = re.compile(r"unit 0 \(attempt 1\): starting from fresh initialization")
 TRIAL_ERROR = re.compile(r"error: run 't\d{3}'")  # a trial process's own line, passed through the sweep's output
 GRACE = 25.0  # preemption_grace_seconds' default: the trials' grace
+WARM = re.compile(r"sweep: (\d+) trial segment\(s\) ran in (\d+) warm trial process\(es\)")  # the pool's last line
 
 
 def command(save_folder: Path | str, scheduler: str = "asha", **options: object) -> list[str]:
@@ -253,18 +257,24 @@ def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, p
 
 
 def test_a_killed_trial_process_is_retried_and_resumes(tmp_path, prefect_env, reference):
+    """The trial's process is a warm runner (the default): SIGKILLed mid-segment, it is replaced by a new runner
+    and the segment resumes from its checkpoint (also what test_warm_runners.py tested with a kill of its own)."""
     folder = tmp_path / "runs"
     launch = Launch(folder, prefect_env, tmp_path / "sweep.log")
     try:
-        last = [None]
+        last: list[str | None] = [None]
 
         def last_segment_started() -> bool:  # the trial ASHA takes to 4 units, from its unit-2 checkpoint
-            found = [e for e in events(folder) if e.kind == "segment_started" and e.body["target_units"] == 4]
+            try:
+                ledger = events(folder)
+            except LedgerError:  # a folder read while the sweep renames an event into place may show a later event
+                return False  # and not that one (a directory read is not a snapshot): this reader reads again
+            found = [e for e in ledger if e.kind == "segment_started" and e.body["target_units"] == 4]
             last[0] = found[0].body["run_name"] if found else None
             return last[0] is not None
 
         launch.wait_until(lambda: (folder / NAME).exists() and last_segment_started(), "the segment to 4 units")
-        run = last[0]
+        run = str(last[0])
         launch.wait_until(lambda: (committed(folder, run) or {}).get("step", 0) >= 24, f"{run}'s unit 3 committed")
         pids = [pid for pid, name in launch.trial_processes().items() if name == run]
         assert len(pids) == 1, launch.trial_processes()
@@ -277,6 +287,8 @@ def test_a_killed_trial_process_is_retried_and_resumes(tmp_path, prefect_env, re
                                  "checkpoint ep3-ba24-sa768"], text[-4000:]  # fmt: skip
     last_segment = [e.body for e in events(folder) if e.kind == "segment_finished" and e.body["run_name"] == run][-1]
     assert last_segment["units_trained"] == 1 and last_segment["started_from"] == "checkpoint ep3-ba24-sa768"
+    used = WARM.search(text)  # the killed runner was replaced: 7 segments and the retry, in at most 3 runners
+    assert used and int(used.group(1)) == 8 and int(used.group(2)) <= 3, text[-3000:]
     assert summary(folder) == reference["summary"]
 
 
