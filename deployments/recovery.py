@@ -16,8 +16,9 @@ insert had failed with ``database is locked``. An automation cannot read the cur
   two reconcilers at once (the stack's and the worker's) get one restart (Prefect's PreventDuplicateTransitions
   refuses a transition that repeats the current state's transition id);
 - a Running run that sent a heartbeat (or ``training.attempt.alive``) and then nothing for the heartbeat window,
-  counted from no earlier than this reconciler's start, is marked Crashed (evidence; restarted on a later pass). A run
-  that never sent one (a CLI sweep without heartbeats) is never marked;
+  counted from no earlier than this reconciler's start, nor than the last pass the API failed or the server stored
+  none of its events (``Vigil``: a held SQLite write lock, a database outage), is marked Crashed (evidence; restarted
+  on a later pass). A run that never sent one (a CLI sweep without heartbeats) is never marked;
 - every restart counts against ``max_restarts``: the flow counts its runs again, preemptions included
   (flows/restarts.py), and ends Failed past the cap; Failed is never restarted.
 
@@ -63,6 +64,8 @@ LIFE = ["prefect.flow-run.heartbeat", "training.attempt.alive"]  # what a live a
 GRACE_SECONDS = 15.0  # > flows/restarts.py's ALIVE_SECONDS (5) twice plus the event's way into the database
 INTERVAL_SECONDS = 3.0
 PAGE = 200
+PROBE = "training.reconciler.pass"  # the reconciler's own event each pass: is the server storing events? (Vigil)
+STALL_SECONDS = 20.0  # a probe not stored this long after it was sent: the server stores no events (Vigil)
 TRANSITIONS = uuid.UUID("7b0f6a52-3c1e-4d55-9a57-4f0c1b0e9d21")  # namespace of the restarts' transition ids
 
 
@@ -219,6 +222,46 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+class Vigil:
+    """Since when this reconciler has seen the server store what runs send: its start, and again after any pass
+    whose API call failed or whose own probe event the server did not store within ``stall_seconds``.
+
+    A run's silence counts only from then. The server can answer reads while it stores no event (SQLite with a write
+    transaction held by another process, a database outage's backlog): a run's heartbeats of that time are lost or
+    late, and its silence is the server's. Seen in the fault matrix (bench/fault_matrix.py, 2026-12-06): a run training
+    through 2 minutes of a held SQLite write lock was marked ``Crashed: no heartbeat for 63s`` 12 s after the lock
+    went, while alive, then Completed over it."""
+
+    def __init__(self, stall_seconds: float = STALL_SECONDS):
+        self.since = _now()
+        self.stall = timedelta(seconds=stall_seconds)
+        self.resource = f"training.reconciler.{uuid.uuid4()}"
+        self.probing_since: datetime | None = None
+
+    def check(self, client: SyncPrefectClient) -> datetime:
+        """Sends this pass's probe, reads the newest one stored, and returns ``since`` (moved to now on a stall)."""
+        from prefect.events import emit_event
+
+        now = _now()
+        emit_event(event=PROBE, resource={"prefect.resource.id": self.resource})
+        self.probing_since = self.probing_since or now
+        page = client.read_events(
+            EventFilter(
+                occurred=EventOccurredFilter(since=self.probing_since, until=now + timedelta(minutes=5)),
+                event=EventNameFilter(name=[PROBE]),
+                resource=EventResourceFilter(id=[self.resource]),
+            ),
+            limit=1,
+        )
+        newest = max((event.occurred for event in page.events), default=self.probing_since)
+        if now - newest > self.stall:
+            self.since = now
+        return self.since
+
+    def failed(self) -> None:
+        self.since = _now()
+
+
 def silent_seconds(client: SyncPrefectClient, deployment_ids: list[UUID]) -> float:
     """The heartbeat-lost window: the installed heartbeat automation's ``within``, else three heartbeats, as
     ``python -m deployments.automations`` would install."""
@@ -252,11 +295,14 @@ def reconcile_forever(
 ) -> None:
     """Passes every ``interval`` seconds until ``stop`` is set; an API that does not answer is logged and outlived."""
     stop = stop or threading.Event()
-    watching_since = _now()  # silence counts from here: heartbeats sent before, while the server was down, are lost
+    vigil = Vigil()  # silence counts from its ``since``: heartbeats sent while the server was down are lost
     while not stop.is_set():
         try:
-            sweep_once(names, watching_since)
+            with get_client(sync_client=True) as client:
+                ids = deployment_ids(client, names)
+                sweep(client, ids, Windows.of(silent_seconds(client, ids), vigil.check(client)))
         except Exception as exc:  # the server or its database is down: it is what this reconciler outlives
+            vigil.failed()
             logger.warning("reconcile failed (%s: %s); next in %.0fs", type(exc).__name__, exc, interval)
         stop.wait(interval)
 

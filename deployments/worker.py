@@ -131,7 +131,7 @@ async def outliving_service_loop(workload: Any, interval: float, *args: Any, **k
 
 def outlive_api_outages() -> None:
     """The worker's polling and sync loops (prefect.workers.base) outlive an API outage (``outliving_service_loop``)."""
-    prefect.workers.base.critical_service_loop = outliving_service_loop  # type: ignore[attr-defined]
+    prefect.workers.base.critical_service_loop = outliving_service_loop
 
 
 async def preempt_runs(worker: PreemptingProcessWorker, seconds: float) -> None:
