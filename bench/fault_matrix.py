@@ -295,6 +295,13 @@ def verdict(history: list, run_count: int, equal: bool | None) -> list[str]:
         crashed += kind == "CRASHED"
     if max([*crashed_per_attempt, crashed]) > 1:
         wrong.append("two Crashed for one attempt")
+    unrestarted = [
+        i for i, kind in enumerate(types) if kind == "CRASHED" and "AwaitingRestart" not in names[i + 1 : i + 2]
+    ]
+    if unrestarted:  # a Crashed no restart followed: the attempt lived on (or the run stayed dead)
+        wrong.append(
+            f"Crashed without a restart ({names[unrestarted[0] + 1] if unrestarted[0] + 1 < len(names) else 'last'} next)"
+        )
     restarts = names.count("AwaitingRestart") + names.count("Preempted")
     if restarts != max(run_count - 1, 0) or types.count("RUNNING") != run_count:
         wrong.append(f"run_count {run_count}, {types.count('RUNNING')} Running, {restarts} restarts")

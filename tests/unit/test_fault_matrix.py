@@ -42,3 +42,8 @@ def test_two_crashed_for_one_death_a_miscount_a_stranded_run_and_other_weights_f
         "no weights",
     ]
     assert verdict(history(*ONE_RESTART), run_count=2, equal=False) == ["weights differ"]
+
+
+def test_a_healthy_run_marked_crashed_fails():
+    alive = ("Scheduled", "Pending", "Running", "Crashed", "Completed")  # the attempt lived on under the Crashed
+    assert verdict(history(*alive), run_count=1, equal=True) == ["Crashed without a restart (Completed next)"]
