@@ -4,7 +4,7 @@
         --faults server,database,locked,shutdown
 
 Per database, one stack (tests/integration/conftest.py's RunningStack: ``prefect server`` on SQLite or on a PostgreSQL
-cluster of its own, `prefect deploy`, the heartbeat automation, the product's worker with its reconciler), and per
+cluster of its own, `prefect deploy`, the heartbeat window, the product's worker with its reconciler), and per
 fault one ``prefect deployment run train/default`` of a paced recipe that trains through the outage:
 
 - ``server``: the Prefect server SIGKILLed (its whole process group) mid-unit, started again ``--outage`` s later on
@@ -13,6 +13,9 @@ fault one ``prefect deployment run train/default`` of a paced recipe that trains
   holds a write transaction on the server's prefect.db for the whole outage (no write goes through);
 - ``locked`` (SQLite only): that process holds the write transaction ``--lock-seconds`` at a time, 1 s apart, for the
   outage, while heartbeats, events, logs and state changes arrive (``database is locked``);
+- ``twins``: no outage; a second ``prefect deployment run`` with the same parameters (the same ``run_name``) one
+  second after the first (a user launching twice): one of them trains to the end, the other ends once, named for
+  why, and is never rescheduled;
 - ``shutdown``: under Prefect's own ``prefect worker start`` (with ``python -m deployments.recovery`` beside it, as
   ``make stack`` runs it), one SIGTERM at once to every process of the worker and of its flow run (a machine shutdown:
   systemd's stop of a control group); the machine comes back ``--outage`` s later (a new ``prefect worker start``).
@@ -21,7 +24,8 @@ Each run is then watched until ``--watch`` s after it completed (the later fault
 and its whole state history read. A row passes when the run completed exactly once, nothing followed Completed, no
 attempt shows two Crashed states, every run again was one restart (``AwaitingRestart`` or ``Preempted``:
 run_count - 1 of them), and its final weights are torch.equal to an uninterrupted run of the same config
-(``python -m tests.run_lifecycle``, no Prefect). Opt-in: minutes per row, never part of the test suite.
+(``python -m tests.run_lifecycle``, no Prefect); for ``twins`` the run that completed is the row's, and the other one
+passes when it ended once (Cancelled or Failed), with no Crashed, no restart and nothing after its end. Opt-in: minutes per row, never part of the test suite.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from bench.common import load_average, parser, progress, record
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAULTS = ("server", "database", "locked", "shutdown")  # run in this order: shutdown swaps the worker last
+FAULTS = ("twins", "server", "database", "locked", "shutdown")  # run in this order: shutdown swaps the worker last
 SQLITE_ONLY = {"locked"}
 DATABASES = ("sqlite", "postgres")
 STEP_SECONDS = 0.25
@@ -78,6 +82,9 @@ class Row:
     run_count: int = 0
     equal: bool | None = None
     note: str = ""
+    twin_id: UUID | None = None  # twins: the other flow run of the same run_name
+    twin_history: list = field(default_factory=list)
+    twin_run_count: int = 0
 
 
 def config(folder: Path, run_name: str, record_dir: Path, steps: int) -> dict:
@@ -154,6 +161,8 @@ def strike(running, row: Row, outage: float, lock_seconds: float) -> str:
         time.sleep(outage)
         restart_server(running, "kill")
         return "server SIGKILLed"
+    if row.fault == "twins":
+        return "a second run of the same run_name 1s after the first"
     if row.fault == "database" and running.database == "postgres":
         os.kill(running.postgres_server.pid, signal.SIGKILL)
         running.postgres_server.wait(timeout=30)
@@ -183,17 +192,29 @@ def _alive(pid: int) -> bool:
     return alive(pid)
 
 
+def deployment_run(running, params: str) -> UUID:
+    """`prefect deployment run train/default --params ...`: the flow run's id."""
+    from tests.integration.stack_client import prefect_cli, run_id_from
+
+    done = prefect_cli(running.stack, "deployment", "run", "train/default", "--params", params)
+    if done.returncode != 0:
+        raise RuntimeError(f"prefect deployment run exited {done.returncode}: {done.stdout[-2000:]}{done.stderr}")
+    return run_id_from(done.stdout)
+
+
 def start_run(running, row: Row, scratch: Path, steps: int) -> None:
-    """`prefect deployment run train/default`, then waits until it trains a step after its first checkpoint."""
-    from tests.integration.stack_client import prefect_cli, run_id_from, wait_for
+    """`prefect deployment run train/default`, then waits until it trains a step after its first checkpoint; for
+    ``twins`` the same command again one second after the first, and no wait."""
+    from tests.integration.stack_client import wait_for
 
     name = f"{row.database}-{row.fault}"
     row.folder, record_dir = scratch / name / "runs", scratch / name / "ids"
     params = json.dumps({"config": config(row.folder, "fm", record_dir, steps)})
-    done = prefect_cli(running.stack, "deployment", "run", "train/default", "--params", params)
-    if done.returncode != 0:
-        raise RuntimeError(f"prefect deployment run exited {done.returncode}: {done.stdout[-2000:]}{done.stderr}")
-    row.run_id = run_id_from(done.stdout)
+    row.run_id = deployment_run(running, params)
+    if row.fault == "twins":
+        time.sleep(1.0)
+        row.twin_id = deployment_run(running, params)
+        return
     phase = record_dir / "phase"
     wait_for(lambda: (row.folder / "fm" / "latest").exists() and phase.exists() and phase.read_text().startswith("step"),
              600, f"{name}: a step after the first checkpoint")  # fmt: skip
@@ -205,14 +226,14 @@ def wait_completed(running, row: Row, timeout: float) -> None:
     from tests.integration.stack_client import read_run
 
     ends = {StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED}
-    assert row.run_id is not None
+    runs = [r for r in (row.run_id, row.twin_id) if r is not None]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            state = read_run(running, row.run_id).state
+            states = [read_run(running, r).state for r in runs]
         except Exception:  # the API is still coming back
-            state = None
-        if state is not None and state.type in ends:
+            states = []
+        if states and all(state is not None and state.type in ends for state in states):
             row.completed_at = time.monotonic()
             return
         time.sleep(2)
@@ -220,13 +241,24 @@ def wait_completed(running, row: Row, timeout: float) -> None:
 
 
 def read_history(running, row: Row) -> None:
+    """The row's run's whole state history and run_count; for ``twins`` the one that Completed is the row's run."""
     from tests.integration.stack_client import client, read_run
 
+    def of(run_id: UUID) -> tuple[list, int]:
+        with client(running) as c:
+            states = sorted(c.read_flow_run_states(run_id), key=lambda s: s.timestamp)
+        return [(s.timestamp, s.type.value, s.name, s.message or "") for s in states], read_run(
+            running, run_id
+        ).run_count
+
     assert row.run_id is not None
-    with client(running) as c:
-        states = sorted(c.read_flow_run_states(row.run_id), key=lambda s: s.timestamp)
-    row.history = [(s.timestamp, s.type.value, s.name, s.message or "") for s in states]
-    row.run_count = read_run(running, row.run_id).run_count
+    row.history, row.run_count = of(row.run_id)
+    if row.twin_id is not None:
+        row.twin_history, row.twin_run_count = of(row.twin_id)
+        if row.twin_history and row.twin_history[-1][1] == "COMPLETED":
+            row.run_id, row.twin_id = row.twin_id, row.run_id
+            row.history, row.twin_history = row.twin_history, row.history
+            row.run_count, row.twin_run_count = row.twin_run_count, row.run_count
 
 
 def run_fault(running, row: Row, args, scratch: Path, steps: int) -> None:
@@ -310,6 +342,21 @@ def verdict(history: list, run_count: int, equal: bool | None) -> list[str]:
     return wrong
 
 
+def twin_verdict(history: list, run_count: int) -> list[str]:
+    """What is wrong with the history of the twin that lost (oldest first): it must end once, Cancelled or Failed,
+    with no Crashed, no restart and nothing after its end."""
+    names, types = [h[2] for h in history], [h[1] for h in history]
+    wrong = []
+    ends = [i for i, kind in enumerate(types) if kind in ("COMPLETED", "CANCELLED", "FAILED")]
+    if not ends or types[ends[0]] == "COMPLETED":
+        wrong.append(f"the other run ended {names[ends[0]] if ends else names[-1] if names else 'nowhere'}")
+    if ends and ends[0] < len(types) - 1:
+        wrong.append("the other run's states after its end: " + ", ".join(names[ends[0] + 1 :]))
+    if "CRASHED" in types or "AwaitingRestart" in names or "Preempted" in names or run_count > 1:
+        wrong.append(f"the other run was marked Crashed or restarted ({', '.join(names)}; run_count {run_count})")
+    return wrong
+
+
 def weights_equal(folder: Path | None, reference: Path) -> bool | None:
     import torch
 
@@ -326,6 +373,11 @@ def weights_equal(folder: Path | None, reference: Path) -> bool | None:
 
 def line(row: Row) -> str:
     wrong = verdict(row.history, row.run_count, row.equal)
+    if row.twin_id is not None:
+        wrong += twin_verdict(row.twin_history, row.twin_run_count)
+        other = " > ".join(h[2] + (f" ({h[3][:90]})" if h[1] in ("CANCELLED", "FAILED", "CRASHED") else "")
+                           for h in row.twin_history)  # fmt: skip
+        row.note += f"; the other run: {other}, run_count {row.twin_run_count}"
     after = [h for h in row.history if row.fault_at and h[0] > row.fault_at]
     first = f"{after[0][2]} at +{(after[0][0] - row.fault_at).total_seconds():.0f}s" if after else "-"
     done = f"{row.completed_at - row.struck_at:.0f}" if row.completed_at else "-"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from bench.fault_matrix import verdict
+from bench.fault_matrix import twin_verdict, verdict
 
 T0 = datetime(2026, 12, 6, tzinfo=UTC)
 TYPES = {"Scheduled": "SCHEDULED", "Pending": "PENDING", "Running": "RUNNING", "Crashed": "CRASHED",
-         "AwaitingRestart": "SCHEDULED", "Preempted": "SCHEDULED", "Completed": "COMPLETED", "Failed": "FAILED"}  # fmt: skip
+         "AwaitingRestart": "SCHEDULED", "Preempted": "SCHEDULED", "Completed": "COMPLETED", "Failed": "FAILED",
+         "Cancelled": "CANCELLED", "Superseded": "CANCELLED"}  # fmt: skip
 
 
 def history(*names: str) -> list:
@@ -47,3 +48,15 @@ def test_two_crashed_for_one_death_a_miscount_a_stranded_run_and_other_weights_f
 def test_a_healthy_run_marked_crashed_fails():
     alive = ("Scheduled", "Pending", "Running", "Crashed", "Completed")  # the attempt lived on under the Crashed
     assert verdict(history(*alive), run_count=1, equal=True) == ["Crashed without a restart (Completed next)"]
+
+
+def test_the_twin_that_lost_passes_only_ending_once_never_crashed_or_restarted():
+    assert twin_verdict(history("Scheduled", "Pending", "Running", "Superseded"), run_count=1) == []
+    assert twin_verdict(history("Scheduled", "Pending", "Running", "Failed"), run_count=1) == []
+    ping_pong = ("Scheduled", "Pending", "Running", "Crashed", "AwaitingRestart", "Pending", "Running", "Superseded")
+    assert any("Crashed or restarted" in w for w in twin_verdict(history(*ping_pong), run_count=2))
+    assert twin_verdict(history("Scheduled", "Pending", "Running", "Completed"), run_count=1) == [
+        "the other run ended Completed"
+    ]
+    again = twin_verdict(history("Scheduled", "Pending", "Running", "Superseded", "AwaitingRestart"), run_count=1)
+    assert "the other run's states after its end: AwaitingRestart" in again
