@@ -310,6 +310,9 @@ def main(argv: list[str]) -> None:
     sides = [s for s in args.sides.split(",") if s]
     if not sides or set(sides) - set(SIDES):
         p.error(f"--sides {args.sides!r}: give one or more of {', '.join(SIDES)}, comma-separated")
+    from bench import whole
+
+    whole.compile_bytecode()  # as an installed package has it (Ray's has its own from pip), as the other benches do
     load = load_average()
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     for rep in range(args.reps):
