@@ -393,23 +393,10 @@ class SnapshotPipeline:
         if job.event is not None:
             job.event.synchronize()
         if self.tier is not None and job.slot.shared:
-            buffer = io.BytesIO()
-            torch.save(job.tree, buffer)
-            tree = buffer.getvalue()
-            used = max((e.offset + e.nbytes for e in job.entries), default=0)
-            record = Record(
-                name=job.name,
-                progress=dict(job.terms.progress),
-                metadata={**job.terms.metadata, "claim": job.claim},
-                generation=job.terms.writer.generation,
-                seq=job.seq,
-                tensors=job.entries,
-                data_bytes=used,
-                data_xxh=checksum(memoryview(job.slot.buffer)[:used]),
-                tree_xxh=checksum(tree),
-                store_uri=self.store_uri,
-            )
-            self.tier.publish(job.slot, record, tree)
+            try:
+                self._record(job)
+            except Exception as exc:  # past the cap, say: the tier keeps the ones before; the store still gets it
+                self._warn("record", f"snapshots not recorded in the host-memory tier: {type(exc).__name__}: {exc}")
         with self._lock:
             job.published = True
             self._newest = job
@@ -423,6 +410,27 @@ class SnapshotPipeline:
             self._pump()
             self._free_slot(self._layout_value[1], self._stream is not None)  # the next snapshot's, made meanwhile
             self._lock.notify_all()
+
+    def _record(self, job: _Job) -> None:
+        """Checksums the slot and writes its tree and record: from then on a relaunch here may resume from it."""
+        assert self.tier is not None and job.slot is not None
+        buffer = io.BytesIO()
+        torch.save(job.tree, buffer)
+        tree = buffer.getvalue()
+        used = max((e.offset + e.nbytes for e in job.entries), default=0)
+        record = Record(
+            name=job.name,
+            progress=dict(job.terms.progress),
+            metadata={**job.terms.metadata, "claim": job.claim},
+            generation=job.terms.writer.generation,
+            seq=job.seq,
+            tensors=job.entries,
+            data_bytes=used,
+            data_xxh=checksum(memoryview(job.slot.buffer)[:used]),
+            tree_xxh=checksum(tree),
+            store_uri=self.store_uri,
+        )
+        self.tier.publish(job.slot, record, tree)
 
     # -- the upload thread --------------------------------------------------------------------------
     def _pump(self) -> None:

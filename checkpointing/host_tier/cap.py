@@ -100,7 +100,7 @@ def allocation_lock(user_fd: int) -> Iterator[None]:
         fcntl.flock(user_fd, fcntl.LOCK_UN)
 
 
-def check_room(user_fd: int, size: int, shown: str) -> None:
+def check_room(user_fd: int, size: int, shown: str, what: str = "buffer") -> None:
     """TierFull when ``size`` more bytes would take this user's snapshots past the cap (the caller holds the lock)."""
     global skipped_over_cap
     st = os.fstatvfs(user_fd)
@@ -110,6 +110,6 @@ def check_room(user_fd: int, size: int, shown: str) -> None:
     if used + size > cap:
         skipped_over_cap += 1
         raise TierFull(
-            f"{shown}: a {size / 1e6:.1f} MB buffer would take this user's snapshots past the cap ({used / 1e6:.1f} "
+            f"{shown}: a {size / 1e6:.1f} MB {what} would take this user's snapshots past the cap ({used / 1e6:.1f} "
             f"MB held of {cap / 1e6:.1f} MB, {CAP_ENV}); `python -m checkpointing gc` lists abandoned ones"
         )

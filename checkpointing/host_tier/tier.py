@@ -314,9 +314,27 @@ class HostTier:
             os.unlink(self._file(index, "json"), dir_fd=self._fd)
 
     def publish(self, slot: Slot, record: Record, tree: bytes) -> None:
-        """Makes ``slot`` a snapshot: its tree, then its record (written whole and renamed into place)."""
-        self._write(self._file(slot.index, "tree"), tree)
-        self._write(self._file(slot.index, "json"), record.to_json())
+        """Makes ``slot`` a snapshot: its tree, then its record (written whole and renamed into place). They count
+        against the per-user cap as its buffer does, checked under the same lock: TierFull, and nothing written, when
+        they would take this user past it (a buffer's check alone let 20 runs killed at once end 8-20 KB past it)."""
+        data = record.to_json()
+        names = (self._file(slot.index, "tree"), self._file(slot.index, "json"))
+        with allocation_lock(self._user_fd):
+            check_room(self._user_fd, self._growth(names, (len(tree), len(data))), self.path, "snapshot record")
+            self._write(names[0], tree)
+            self._write(names[1], data)
+
+    def _growth(self, names: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+        """What the cap will count more once the files ``names`` hold ``sizes`` bytes (whole blocks, as the cap
+        counts a file as allocated) than it counts for them now."""
+        block = os.fstatvfs(self._fd).f_bsize or 4096
+        new = sum(-(-size // block) * block for size in sizes)
+        old = 0
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+                old += max(st.st_size, st.st_blocks * 512)
+        return max(new - old, 0)
 
     def _write(self, name: str, data: bytes) -> None:
         tmp = f".{name}.tmp"

@@ -4,6 +4,7 @@ or user is read, and nothing is left behind when the run completes."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -343,3 +344,26 @@ def test_an_abandoned_runs_folder_is_swept_but_never_one_a_live_process_holds(tm
     HostTier("file:///runs/new", root=str(tmp_path))  # opening any run's folder sweeps the others
     assert not os.path.exists(old.path) and not os.path.exists(empty.path)
     assert os.listdir(held.path) and os.listdir(fresh.path)
+
+
+def test_a_record_past_the_cap_is_not_written_and_the_store_still_gets_the_snapshot(tmp_path, monkeypatch, caplog):
+    """The tier's record and tree count against the per-user cap as its buffers do: with room for the buffer only,
+    nothing of the record is written (so the user's snapshots stay under the cap), one warning says so, and the
+    snapshot still reaches the store."""
+    from checkpointing.host_tier.cap import CAP_ENV, used_bytes
+
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    tier = HostTier(store.uri, root=str(tmp_path / "tier"))
+    state = {"state.pt": {"w": torch.zeros(1000)}}  # 4 KB of data: a buffer of two 4 KB blocks
+    monkeypatch.setenv(CAP_ENV, str(2 * 4096))
+    pipeline = SnapshotPipeline(store.uri, 0, tier)
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpointing.commit.snapshots"):
+            taken = take(pipeline, store, state, step=1)
+            info = taken.pending.wait()
+        assert info.name == "ep0-ba1-sa32" and store.latest().name == info.name  # the store got it
+        assert list(tier.records(0)) == []  # no record past the cap ...
+        assert used_bytes(tier._user_fd) <= 2 * 4096  # ... and nothing else of it
+        assert [r.getMessage() for r in caplog.records if "not recorded" in r.getMessage()], caplog.text
+    finally:
+        pipeline.close()
