@@ -37,6 +37,7 @@ class SlotPool:
         self.pinned = False
         self.made_on: list[str] = []  # the threads each slot was made on (tests, benchmarks)
         self.before_make: Callable[[int, int], None] | None = None
+        self.failure: BaseException | None = None  # the last making's error, for a snapshot that waits (``take_failure``)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="snapshot-slots")
         self._closed = False
 
@@ -77,8 +78,10 @@ class SlotPool:
                 if pin:
                     self.pinned_tried.add(index)
                 self.made_on.append(threading.current_thread().name)
-        except Exception as exc:  # the next snapshot asks again
+        except Exception as exc:  # the next snapshot asks again; one that waits for this slot gets the error
             log.warning("a snapshot buffer could not be made: %s: %s", type(exc).__name__, exc)
+            with self._lock:
+                self.failure = exc
         finally:
             with self._lock:
                 self.making.discard(index)
@@ -114,6 +117,12 @@ class SlotPool:
             return
         slot.registered_ptr = ptr
         self.pinned = True
+
+    def take_failure(self) -> BaseException | None:
+        """(lock held) The error of a making since the last call, if one failed: a snapshot waiting for a slot raises it
+        instead of waiting for ever."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def wait_made(self, timeout: float | None = None) -> bool:
         """Blocks until no slot is being made (tests, benchmarks); False after ``timeout`` seconds."""

@@ -255,11 +255,14 @@ class SnapshotPipeline:
         slots, it waits for the upload, as a skip there would lose the steps until the upload ends to a kill."""
         waited = 0.0
         with self._lock:
+            self.slots.take_failure()  # an older making's error: this snapshot asks again
             slot = self._free_slot(size, pin)
             while slot is None and (must_upload or not self._free_indices()):
                 w0 = time.perf_counter()
                 self._lock.wait(1.0)
                 waited += time.perf_counter() - w0
+                if (failure := self.slots.take_failure()) is not None:
+                    raise failure  # its slot cannot be made (out of memory, say): the unit fails, as before
                 slot = self._free_slot(size, pin)
         if waited > 0.05:
             log.info("snapshot %s waited %.2fs for a free snapshot buffer", name, waited)

@@ -121,3 +121,27 @@ def test_a_slot_thread_is_gone_when_the_pipeline_closes(tmp_path, must_upload):
     take(pipeline, store, 1, must_upload=must_upload)
     pipeline.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("snapshot-")]
+
+
+def test_a_snapshot_that_waits_for_a_slot_that_cannot_be_made_fails_instead_of_waiting_for_ever(tmp_path):
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    pipeline = SnapshotPipeline(store.uri, 0, None)
+
+    def no_memory(index, size):
+        raise MemoryError("no room for a snapshot buffer")
+
+    pipeline.slots.before_make = no_memory
+
+    def unit_end() -> BaseException | None:
+        try:
+            take(pipeline, store, 1, must_upload=True)
+        except MemoryError as exc:
+            return exc
+        return None
+
+    try:
+        raised, returned = on_a_thread(unit_end)
+        assert returned, "a unit's snapshot waited for ever for a slot that cannot be made"
+        assert raised is not None and "no room" in str(raised)
+    finally:
+        pipeline.close()
