@@ -37,7 +37,8 @@ class SlotPool:
         self.pinned = False
         self.made_on: list[str] = []  # the threads each slot was made on (tests, benchmarks)
         self.before_make: Callable[[int, int], None] | None = None
-        self.failure: BaseException | None = None  # the last making's error, for a snapshot that waits (``take_failure``)
+        # The last making's error, for a snapshot that waits (``take_failure``).
+        self.failure: BaseException | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="snapshot-slots")
         self._closed = False
 
