@@ -92,7 +92,3 @@ class LinkedLocationError(RuntimeError, Permanent):
 
 class TierUnavailable(Exception):
     """The host-memory tier cannot be used here (the message says why); training goes on without it."""
-
-
-class SnapshotSkipped(RuntimeError):
-    """What a skipped snapshot's pending commit holds: no slot was free and ready (one being made), nothing copied."""

@@ -20,7 +20,7 @@ from typing import Any
 from checkpointing import CheckpointStore, Writer, ranks
 from checkpointing.commit import committer as commits
 from checkpointing.commit.committer import INTERMEDIATE, Committer, CommitTerms, PendingCommit, Retention
-from checkpointing.commit.snapshots import SnapshotPipeline, Stats, Taken
+from checkpointing.commit.snapshots import SnapshotPipeline
 from checkpointing.host_tier.gc import claim_of, sweep_on_open
 from checkpointing.host_tier.tier import HostTier, TierUnavailable
 from checkpointing.names import checkpoint_name
@@ -70,7 +70,6 @@ class Checkpointer:
         self.snapshots = self._pipeline() if world.rank == 0 or self.sharded else None
         self._claim: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None  # what every manifest of the run says of it (``metadata``)
-        self._figures = Stats()  # this unit attempt's snapshots inside the unit (a Checkpointer lives one attempt)
 
     def save(self, s: Session, metrics: Mapping[str, float]) -> Saved:
         """A unit's checkpoint: the session's state bundle, its progress and every rank's RNG state. Every rank calls
@@ -116,27 +115,10 @@ class Checkpointer:
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True}
         self._hook(s)
         try:
-            return self._count(self._take(progress, objects, metadata, must_upload=False))
+            return self._take(progress, objects, metadata, must_upload=False).seconds
         except TypeError as exc:
             self._fall_back(exc)
             return None
-
-    def _count(self, taken: Taken) -> float:
-        self._figures.add(taken)
-        return taken.seconds
-
-    def snapshot_figures(self) -> dict[str, float]:
-        """What this attempt's snapshots inside the unit cost the training thread, apart from their whole stall
-        (``snapshot_seconds_max``): the longest copy, the longest wait for a buffer, and the snapshots skipped because
-        no buffer was free and ready (the run's first, whose buffers are made in the background)."""
-        f = self._figures
-        if not f.taken and not f.skipped:
-            return {}
-        return {
-            "snapshot_copy_seconds_max": f.copy_seconds_max,
-            "snapshot_wait_seconds_max": f.wait_seconds_max,
-            "snapshots_skipped": float(f.skipped),
-        }
 
     def _snapshot_shards(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """parallelism='fsdp': this rank's shards, the small parts and its RNG state, into this machine's memory."""
@@ -153,7 +135,7 @@ class Checkpointer:
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True, "parallelism": "fsdp"}
         self._hook(s)
         try:
-            return self._count(self._take(progress, objects, metadata, must_upload=False, upload=False))
+            return self._take(progress, objects, metadata, must_upload=False, upload=False).seconds
         except TypeError as exc:
             self._fall_back(exc)
             return None
@@ -254,7 +236,7 @@ class Checkpointer:
         metadata: dict[str, Any],
         must_upload: bool,
         upload: bool = True,
-    ) -> Taken:
+    ) -> Any:
         assert self.snapshots is not None
         terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
         # A snapshot inside a unit gets its store name when it is uploaded (naming reads the store); its record in host

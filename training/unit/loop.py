@@ -160,7 +160,6 @@ def _commit(
         p.step, {"unit/train_loss": metrics["train_loss"], "unit/samples_per_second": metrics["samples_per_second"]}
     )
     log.checkpoint(p.step)  # what was logged is on disk before the checkpoint that covers it exists
-    metrics = {**metrics, **checkpointer.snapshot_figures()}
     saved = checkpointer.save(s, metrics)
     pending, stall = saved.pending, saved.seconds
     log.checkpoint(p.step, pending.name, pending.uri)
