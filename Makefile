@@ -41,7 +41,7 @@ demo: install-runtime
 #                     meant to take under 3 minutes on 2 cores (what it took: bench/RESULTS.md, "Issue 32: test tiers")
 #   make test-slow    `slow` but not `system`: real processes, signals and torchrun, the longest trainings, and the
 #                     train flow on a Prefect test server where Prefect is what is tested (retries, artifacts, logs)
-#   make test-system  `system`: the Prefect stack (server, worker, deployments, automations), PostgreSQL, the UI in
+#   make test-system  `system`: the Prefect stack (server, worker, deployments, reconciler), PostgreSQL, the UI in
 #                     headless Chromium, every shell block of README.md and docs/, several hosts
 #   make test-gpu     tests/gpu alone, on a machine with a CUDA device (they skip without one): with the python3 there
 #                     (GPU_PY), no .venv and no `make install`; scripts/gpu_check.sh prepares a bare GPU machine and runs it
@@ -104,7 +104,7 @@ bench: install
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# -- A local Prefect stack: server, work pool, deployments, automations, worker (deployments/stack.py) ----------
+# -- A local Prefect stack: server, work pool, deployments, reconciler, worker (deployments/stack.py) ----------
 # `make stack` brings up all of it in one terminal and prints where the UI is (http://127.0.0.1:4200; Ctrl-C
 # stops it all). Or one terminal each: `make server`, then `make deploy` and `make worker`.
 # DB=sqlite (default: $PREFECT_HOME/prefect.db, no set-up) or DB=postgres (a PostgreSQL server the stack creates

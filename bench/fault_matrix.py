@@ -4,7 +4,7 @@
         --faults server,database,locked,shutdown
 
 Per database, one stack (tests/integration/conftest.py's RunningStack: ``prefect server`` on SQLite or on a PostgreSQL
-cluster of its own, `prefect deploy`, the heartbeat automation, the product's worker with its reconciler), and per
+cluster of its own, `prefect deploy`, the heartbeat window, the product's worker with its reconciler), and per
 fault one ``prefect deployment run train/default`` of a paced recipe that trains through the outage:
 
 - ``server``: the Prefect server SIGKILLed (its whole process group) mid-unit, started again ``--outage`` s later on

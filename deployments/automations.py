@@ -1,136 +1,109 @@
-"""The one automation the training deployments install, and why there is no restart automation (DESIGN.md section 6).
+"""The training deployments' liveness window, and why they install no automation (DESIGN.md section 6).
 
-``training: heartbeat lost -> crashed``: a *deployment* run of the training deployments that sent a heartbeat (every
-``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds) and then neither a heartbeat nor an end state for ``within`` seconds
-is marked Crashed (its machine died and nothing is left to report it). It is evidence only: Prefect refuses Crashed
-over an ended run (``force=False``; Completed, Failed and Cancelled are terminal), and a run that never sends
-heartbeats (a CLI ``python -m flows.sweep`` against a stack's server: not a deployment run) is never matched.
+One component decides a run's fate: the reconciler (deployments/recovery.py). It reads each run's current state,
+marks Crashed a Running deployment run whose heartbeats stopped (its machine died and nothing is left to report it),
+and restarts a Crashed run once. Prefect's automations act on events as they were, never on the run as it is, so
+none of the three this module used to install is left:
 
-Nothing here restarts a run. The restart automations this module used to install (``training: crashed -> restart``
-and ``training: crash not restarted -> restart``) acted on events as they were: a Crashed event held ~15 minutes after
-a server restart, or re-read after a ``database is locked`` bucket insert, rescheduled a run that had Completed in
-the meantime, and the worker's late second Crashed report of one death opened a second restart window. The one
-restart authority is the reconciler (deployments/recovery.py), which reads the run's current state; installing
-removes those two automations where an older install left them.
+- ``training: crashed -> restart`` and ``training: crash not restarted -> restart`` rescheduled a run that had
+  Completed in the meantime (a Crashed event held ~15 minutes after a server restart, or re-read after a
+  ``database is locked`` bucket insert), and the worker's late second Crashed report of one death opened a second
+  restart window;
+- ``training: heartbeat lost -> crashed`` marked live runs Crashed: its window ran while the server could store no
+  event (a database outage, a SQLite write lock held by another process), and when the database took writes again it
+  found the run silent, while it trained. In the fault matrix (bench/fault_matrix.py, 2026-12-06) 3 of 4 database
+  outages and 1 of 2 ``database is locked`` runs ended Running, Crashed, Completed that way. The reconciler counts
+  silence only from when the server stores events again (its ``Vigil``), which an automation cannot see.
 
-Created idempotently, by name (an existing one is updated in place):
+Installing deletes those automations where an older install left them, and stores the heartbeat window the
+reconciler uses (``--within``; default 3x the deployments' heartbeat frequency) as the Prefect variable
+``training_heartbeat_window_seconds``, read by every reconciler of the server (the product's worker's, the stack's,
+``python -m deployments.recovery``). Idempotent:
 
-    python -m deployments.automations --deployment train/default --deployment retrain/nightly --deployment sweep/default
+    python -m deployments.automations --within 90
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import sys
-from datetime import timedelta
-from uuid import UUID
 
-from prefect.automations import Automation, ChangeFlowRunState, EventTrigger, Posture
 from prefect.client.orchestration import SyncPrefectClient, get_client
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.actions import VariableCreate, VariableUpdate
+from prefect.client.schemas.responses import DeploymentResponse
 from prefect.settings import get_current_settings
 
-from training.run_states import ATTEMPT_DIED, AWAITING_RESTART, PREEMPTED, flow_run_event
-
-HEARTBEAT_LOST = "training: heartbeat lost -> crashed"
+HEARTBEAT_LOST = "training: heartbeat lost -> crashed"  # removed: the reconciler marks silent runs (see above)
 RESTART_CRASHED = "training: crashed -> restart"  # removed: deployments/recovery.py restarts (see above)
 RESTART_MISSED = "training: crash not restarted -> restart"  # removed, as RESTART_CRASHED
-OBSOLETE = (RESTART_CRASHED, RESTART_MISSED)
+OBSOLETE = (HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED)
 DEFAULT_DEPLOYMENTS = ("train/default", "retrain/nightly", "sweep/default")
 HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 MIN_HEARTBEAT_SECONDS = 30  # Prefect's own floor for the heartbeat frequency
-# What proves a run alive or finished. Not `prefect.flow-run.*`: on SQLite, every matching event is a
-# bucket write in the triggers service, and a write that collides with a state change fails, is retried, then
-# dropped, after which Prefect holds that run's later events for up to 15 minutes. Crashed is left out: a run
-# already Crashed is refused another Crashed anyway; this one only has to notice silence. A preempted run's Scheduled state
-# (named Preempted, flows/restarts.py; events carry the state's name) is in: the run waits for a worker without
-# heartbeats, and marking it Crashed replaced its "Preempted" state (seen when the worker stopped with the machine:
-# Crashed 60 s later, then restarted as a crash).
-ALIVE_OR_DONE = {
-    "prefect.flow-run.heartbeat",
-    flow_run_event(PREEMPTED),
-    flow_run_event(AWAITING_RESTART),  # the reconciler restarted it: it waits for a worker, without heartbeats
-    "prefect.flow-run.Completed",
-    "prefect.flow-run.Failed",
-    "prefect.flow-run.Cancelled",
-    "prefect.flow-run.Cancelling",
-    "prefect.flow-run.Paused",
-    "prefect.flow-run.Suspended",
-    flow_run_event(ATTEMPT_DIED),  # a subflow of a dead attempt, ended by the restarted one (flows/restarts.py)
-}
+WINDOW_VARIABLE = "training_heartbeat_window_seconds"
+MAX_WINDOW_SECONDS = 7 * 24 * 3600.0  # a window longer than a week is a typo: no dead machine would ever be found
+
+logger = logging.getLogger("deployments.automations")
 
 
-def heartbeat_lost(deployment_ids: list[UUID], within_seconds: float) -> Automation:
-    """Marks Crashed any run of these deployments that sent nothing for ``within_seconds`` after a heartbeat."""
-    return Automation(
-        name=HEARTBEAT_LOST,
-        description="A training deployment run whose heartbeats stopped (its machine died) is marked Crashed; "
-        "the reconciler (deployments/recovery.py) restarts it.",
-        trigger=EventTrigger(
-            posture=Posture.Proactive,
-            after={"prefect.flow-run.heartbeat"},
-            expect=ALIVE_OR_DONE,
-            match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={  # deployment runs only: a CLI run against the server may send no heartbeats
-                "prefect.resource.role": "deployment",
-                "prefect.resource.id": [f"prefect.deployment.{i}" for i in deployment_ids],
-            },
-            for_each={"prefect.resource.id"},
-            threshold=1,
-            within=timedelta(seconds=within_seconds),
-        ),
-        actions=[
-            ChangeFlowRunState(
-                state=StateType.CRASHED, message=f"no heartbeat for {within_seconds:.0f}s: the flow-run process is gone"
-            )
-        ],
-    )
-
-
-def upsert(automation: Automation) -> Automation:
-    """Creates the automation, or updates the one with the same name (and removes any duplicates)."""
-    existing = _by_name(automation.name)
-    if not existing:
-        return automation.create()  # type: ignore[return-value]  # the sync form (Prefect's sync_compatible)
-    automation.id = existing[0].id
-    automation.update()
-    for duplicate in existing[1:]:
-        duplicate.delete()
-    return automation
-
-
-def _by_name(name: str) -> list[Automation]:
-    with get_client(sync_client=True) as client:
-        return [Automation(**a.model_dump()) for a in client.read_automations_by_name(name=name)]
-
-
-def heartbeat_seconds(client: SyncPrefectClient, deployment_ids: list[UUID]) -> int:
+def heartbeat_seconds(deployments: list[DeploymentResponse]) -> int:
     """The heartbeat frequency the deployments' runs use: their job variables' env, else this process's setting."""
     values = []
-    for deployment_id in deployment_ids:
-        env = (client.read_deployment(deployment_id).job_variables or {}).get("env") or {}
+    for deployment in deployments:
+        env = (deployment.job_variables or {}).get("env") or {}
         if env.get(HEARTBEAT_SETTING):
             values.append(int(env[HEARTBEAT_SETTING]))
     setting = get_current_settings().flows.heartbeat_frequency or 180
     return max(max(values, default=setting), MIN_HEARTBEAT_SECONDS)
 
 
-def install(deployment_names: list[str], within_seconds: float | None = None) -> list[Automation]:
-    """Creates or updates the heartbeat automation for these deployments (``flow/deployment`` names), and deletes the
-    restart automations an older install left (the reconciler restarts, deployments/recovery.py)."""
+def window_problem(value: object, frequency: float) -> str | None:
+    """Why ``value`` cannot be the heartbeat window for runs that beat every ``frequency`` seconds, or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return f"{value!r} is not a number of seconds"
+    if value <= frequency:
+        return f"{value}s does not exceed the heartbeat frequency ({frequency:.0f}s): every healthy run would be marked Crashed"
+    if value > MAX_WINDOW_SECONDS:
+        return f"{value}s is longer than a week: a dead machine would never be found"
+    return None
+
+
+def window_seconds(client: SyncPrefectClient, deployments: list[DeploymentResponse]) -> float:
+    """The heartbeat window: the server's ``training_heartbeat_window_seconds`` where it holds a valid one (anyone
+    with the API can write it: checked, and a bad one is said and not used), else 3x the heartbeat frequency."""
+    frequency = heartbeat_seconds(deployments)
+    variable = client.read_variable_by_name(WINDOW_VARIABLE)
+    if variable is not None:
+        problem = window_problem(variable.value, frequency)
+        if problem is None:
+            return float(variable.value)  # type: ignore[arg-type]  # a number: window_problem checked it
+        logger.warning(
+            "Prefect variable %s: %s; using 3x the heartbeat frequency (%ds) instead. Fix: "
+            "python -m deployments.automations --within SECONDS",
+            WINDOW_VARIABLE, problem, 3 * frequency,
+        )  # fmt: skip
+    return 3.0 * frequency
+
+
+def install(deployment_names: list[str], within_seconds: float | None = None) -> float:
+    """Stores the heartbeat window for these deployments (``flow/deployment`` names; default 3x their heartbeat
+    frequency) and deletes the automations an older install left; returns the window."""
     with get_client(sync_client=True) as client:
-        ids = [client.read_deployment_by_name(name).id for name in deployment_names]
-        frequency = heartbeat_seconds(client, ids)
-    within = within_seconds if within_seconds is not None else 3 * frequency
-    if within <= frequency:
-        raise ValueError(
-            f"within={within}s: must exceed the heartbeat frequency ({frequency}s), or every "
-            f"healthy run would be marked Crashed; use about 3x the frequency"
-        )
-    for name in OBSOLETE:
-        for automation in _by_name(name):
-            automation.delete()
-    return [upsert(heartbeat_lost(ids, within))]
+        frequency = heartbeat_seconds([client.read_deployment_by_name(name) for name in deployment_names])
+        within = within_seconds if within_seconds is not None else 3.0 * frequency
+        problem = window_problem(within, frequency)
+        if problem is not None:
+            raise ValueError(f"--within {within}: {problem}; use about 3x the frequency ({3 * frequency}s)")
+        if client.read_variable_by_name(WINDOW_VARIABLE) is None:
+            client.create_variable(VariableCreate(name=WINDOW_VARIABLE, value=within))
+        else:
+            client.update_variable(VariableUpdate(name=WINDOW_VARIABLE, value=within))
+        for name in OBSOLETE:
+            for automation in client.read_automations_by_name(name=name):
+                client.delete_automation(automation.id)
+    return within
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,17 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         "--deployment",
         action="append",
         dest="deployments",
-        help=f"flow/deployment whose silent runs to mark Crashed (repeatable; default: {DEFAULT_DEPLOYMENTS})",
+        help=f"flow/deployment whose heartbeat frequency sizes the default window (repeatable; default: {DEFAULT_DEPLOYMENTS})",
     )
     parser.add_argument(
         "--within",
         type=float,
         default=None,
-        help="seconds without any event of a run before it counts as dead (default: 3x heartbeat)",
+        help="seconds without a heartbeat before the reconciler marks a deployment run Crashed (default: 3x heartbeat)",
     )
     args = parser.parse_args(argv)
-    for automation in install(args.deployments or list(DEFAULT_DEPLOYMENTS), args.within):
-        print(f"automation {automation.name!r} ({automation.id}): {automation.trigger.describe_for_cli().strip()}")
+    try:
+        within = install(args.deployments or list(DEFAULT_DEPLOYMENTS), args.within)
+    except ValueError as bad:
+        print(f"python -m deployments.automations: {bad}", file=sys.stderr)
+        return 2
+    print(
+        f"heartbeat window {within:.0f}s (Prefect variable {WINDOW_VARIABLE}): the reconciler marks a deployment run "
+        f"silent that long Crashed and restarts it once (deployments/recovery.py); no automation installed"
+    )
     return 0
 
 

@@ -1,7 +1,8 @@
 """A PostgreSQL server of the stack's own, for Prefect's server: created, started and stopped by the stack.
 
 Prefect's server keeps its state in SQLite unless told otherwise; SQLite serialises every write, and under the
-automations' event load its lock retries showed up as repeated restarts (deployments/automations.py). Prefect's
+automations' event load its lock retries showed up as repeated restarts (before the reconciler replaced them:
+deployments/automations.py). Prefect's
 guidance past a laptop is PostgreSQL, which the stack can run itself (``make stack DB=postgres``) or reach
 (``PREFECT_SERVER_DATABASE_CONNECTION_URL``, see deployments/stack.py and docs/deployments-postgres.md).
 

@@ -15,7 +15,8 @@ insert had failed with ``database is locked``. An automation cannot read the cur
   Crashed state since the attempt's Running state), and only if the run's state is still the Crashed state read:
   two reconcilers at once (the stack's and the worker's) get one restart (Prefect's PreventDuplicateTransitions
   refuses a transition that repeats the current state's transition id);
-- a Running run that sent a heartbeat (or ``training.attempt.alive``) and then nothing for the heartbeat window,
+- the one liveness authority too (no automation marks silence: deployments/automations.py says why): a Running
+  run that sent a heartbeat (or ``training.attempt.alive``) and then nothing for the heartbeat window,
   counted from no earlier than this reconciler's start, nor than the last pass the API failed or the server stored
   none of its events (``Vigil``: a held SQLite write lock, a database outage), is marked Crashed (evidence; restarted
   on a later pass). A run that never sent one (a CLI sweep without heartbeats) is never marked;
@@ -51,11 +52,11 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import FlowRun, State, StateType
-from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
+from prefect.client.schemas.responses import DeploymentResponse, OrchestrationResult, SetStateStatus
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.states import Crashed, Scheduled, to_state_create
 
-from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, heartbeat_seconds
+from deployments.automations import DEFAULT_DEPLOYMENTS, window_seconds
 from training.run_states import ATTEMPT_DIED  # a subflow a restarted attempt ended: never a death to restart
 from training.run_states import AWAITING_RESTART as RESTARTED  # flows/restarts.py reads the same name
 
@@ -73,7 +74,7 @@ TRANSITIONS = uuid.UUID("7b0f6a52-3c1e-4d55-9a57-4f0c1b0e9d21")  # namespace of 
 class Windows:
     """How long silence and a Crashed state must last before the reconciler acts."""
 
-    silent: timedelta  # no heartbeat this long: the process is gone (the heartbeat automation's ``within``)
+    silent: timedelta  # no heartbeat this long: the process is gone (``python -m deployments.automations --within``)
     settle: timedelta  # a Crashed this old, with no life after it, is a death to restart
     watching_since: datetime  # silence counts from no earlier than this: beats sent while the server was down are lost
 
@@ -149,7 +150,7 @@ def _runs(client: SyncPrefectClient, deployment_ids: list[UUID], types: list[Sta
 
 def _crash_if_silent(client: SyncPrefectClient, run: FlowRun, windows: Windows) -> None:
     """Marks Crashed a Running run that has sent a sign of life, but none within ``windows.silent``. A run that never
-    sent one (heartbeats turned off) cannot be told from a dead one, and is left alone, as the automation does."""
+    sent one (heartbeats turned off) cannot be told from a dead one, and is left alone."""
     assert run.state is not None
     last = _last_life(client, run.id, since=run.state.timestamp)
     if last is None:
@@ -262,32 +263,22 @@ class Vigil:
         self.since = _now()
 
 
-def silent_seconds(client: SyncPrefectClient, deployment_ids: list[UUID]) -> float:
-    """The heartbeat-lost window: the installed heartbeat automation's ``within``, else three heartbeats, as
-    ``python -m deployments.automations`` would install."""
-    for automation in client.read_automations_by_name(name=HEARTBEAT_LOST):
-        within = getattr(automation.trigger, "within", None)
-        if within:
-            return within.total_seconds()
-    return 3.0 * heartbeat_seconds(client, deployment_ids)
-
-
-def deployment_ids(client: SyncPrefectClient, names: list[str]) -> list[UUID]:
-    """The ids of the deployments that exist among ``names`` (the stack's sweeper may start before a deploy)."""
+def deployments(client: SyncPrefectClient, names: list[str]) -> list[DeploymentResponse]:
+    """The deployments that exist among ``names`` (the stack's sweeper may start before a deploy)."""
     found = []
     for name in names:
         try:
-            found.append(client.read_deployment_by_name(name).id)
+            found.append(client.read_deployment_by_name(name))
         except Exception as missing:  # ObjectNotFound, or the server not up yet: the next pass tries again
             logger.debug("deployment %s: %s", name, missing)
     return found
 
 
 def sweep_once(names: list[str], watching_since: datetime) -> list[UUID]:
-    """One pass over the named deployments' runs, with the heartbeat window the installed automation uses."""
+    """One pass over the named deployments' runs, with the server's heartbeat window (deployments/automations.py)."""
     with get_client(sync_client=True) as client:
-        ids = deployment_ids(client, names)
-        return sweep(client, ids, Windows.of(silent_seconds(client, ids), watching_since))
+        found = deployments(client, names)
+        return sweep(client, [d.id for d in found], Windows.of(window_seconds(client, found), watching_since))
 
 
 def reconcile_forever(
@@ -299,8 +290,8 @@ def reconcile_forever(
     while not stop.is_set():
         try:
             with get_client(sync_client=True) as client:
-                ids = deployment_ids(client, names)
-                sweep(client, ids, Windows.of(silent_seconds(client, ids), vigil.check(client)))
+                found = deployments(client, names)
+                sweep(client, [d.id for d in found], Windows.of(window_seconds(client, found), vigil.check(client)))
         except Exception as exc:  # the server or its database is down: it is what this reconciler outlives
             vigil.failed()
             logger.warning("reconcile failed (%s: %s); next in %.0fs", type(exc).__name__, exc, interval)

@@ -1,4 +1,4 @@
-"""A local Prefect stack for the training deployments: server, work pool, deployments, automations, worker.
+"""A local Prefect stack for the training deployments: server, work pool, deployments, reconciler, worker.
 
 People use it through make (state in ./.prefect, the UI at http://127.0.0.1:4200):
 

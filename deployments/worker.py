@@ -4,7 +4,7 @@ local-process`` (what ``make worker`` and the stack start).
 ``prefect worker start`` turns a SIGTERM into a SIGINT to itself; the supervision of its flow runs is cancelled, and
 anyio SIGKILLs each flow-run process within a second. A machine shutting down signals the worker and the flow-run
 process at once: the run's preemption never finished (no checkpoint at its step, no state set) and the run stayed
-Running with no process until the heartbeat automation noticed it (7+ minutes seen). A worker that is the container's
+Running with no process until the heartbeat window passed (7+ minutes seen). A worker that is the container's
 main process (``docker stop``, a Kubernetes eviction) is the only one signalled, and its runs died the same way.
 
 This is Prefect's process worker with another stop. On SIGTERM or Ctrl-C it takes no new run, sends SIGTERM to each of

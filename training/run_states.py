@@ -1,7 +1,7 @@
 """The names of the orchestrator states this product sets and reads, spelled once.
 
 Prefect shows a run's state by type (Scheduled, Cancelled, Crashed, ...) and name; these are the names of our own:
-tasks and flows set them, the reconciler and the heartbeat automation (deployments/) read them, and a state's events
+tasks and flows set them, the reconciler (deployments/recovery.py) reads them, and a state's events
 are named after them (``prefect.flow-run.<name>``). Plain strings, so this module sits below every user and imports
 nothing: training stays Prefect-free, and the reconciler does not pay for ``tasks``' torch import to read a name.
 Tests keep their literal strings: they check the contract these names are.

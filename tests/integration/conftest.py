@@ -1,5 +1,5 @@
 """A real Prefect stack for the deployment tests: `prefect server`, the project's work pool, deployments
-(deployments/prefect.yaml, through `prefect deploy`), automations and a process worker. One per pytest process
+(deployments/prefect.yaml, through `prefect deploy`), the heartbeat window and a process worker. One per pytest process
 (xdist worker), shared by the modules on SQLite; one of its own for a module on PostgreSQL or one that sets
 ``OWN_STACK``. Every process a stack started is gone when it stops (checked).
 
@@ -50,7 +50,7 @@ class RunningStack:
                 "EVIL_MARKER": str(logs / "evil-module-was-imported"),  # tests/evil_recipe.py writes it on import
                 "PREFECT_LOGGING_LEVEL": "INFO",  # flow-run logs reach the API, where tests read them
                 "PREFECT_WORKER_QUERY_SECONDS": "1",
-                "PREFECT_LOGGING_SERVER_LEVEL": "INFO",  # server.log shows which events each automation saw
+                "PREFECT_LOGGING_SERVER_LEVEL": "INFO",  # server.log shows what the server did with each event
             },
         )
         self.server: subprocess.Popen | None = None
@@ -167,7 +167,7 @@ def shared_sqlite_stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prefect_stack(request, tmp_path_factory):
-    """Server + pool + deployments + automations + worker for a test module: this process's shared SQLite stack
+    """Server + pool + deployments + heartbeat window + worker for a test module: this process's shared SQLite stack
     (``shared_sqlite_stack``), or one of the module's own where it sets ``STACK_DATABASE = "postgres"`` (or
     TEST_STACK_DATABASE does) or ``OWN_STACK = True`` (a module that stops the server or changes what every module
     relies on). A shared stack's worker that a previous module killed and did not replace is replaced here."""

@@ -28,7 +28,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.states import Scheduled
 
 from checkpointing import CheckpointStore
-from deployments.automations import HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED
+from deployments.automations import OBSOLETE, WINDOW_VARIABLE
 from deployments.stack import descendants
 from tests.conftest import ROOT
 
@@ -184,5 +184,8 @@ def scheduled_runs(stack, deployment_id: UUID) -> list[FlowRun]:
 
 
 def read_automations(stack) -> dict:
+    """The automations of the names an older install left (none is installed now), and the heartbeat window."""
     with client(stack) as c:
-        return {name: c.read_automations_by_name(name) for name in (HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED)}
+        variable = c.read_variable_by_name(WINDOW_VARIABLE)
+        found = {name: c.read_automations_by_name(name) for name in OBSOLETE}
+        return {**found, WINDOW_VARIABLE: None if variable is None else variable.value}

@@ -50,7 +50,7 @@ def test_only_the_task_runs_a_dead_attempt_left_unfinished_end_crashed_attempt_d
         subflow = client.create_flow_run(a_flow, parent_task_run_id=killed.id, state=Running())  # retrain's train
         in_subflow = client.create_task_run(a_unit, subflow.id, "in-subflow", state=Pending())
         client.set_task_run_state(in_subflow.id, Running())
-        # ... the worker reports the death, the automation reschedules the run, a worker runs it again: attempt 2
+        # ... the worker reports the death, the reconciler reschedules the run, a worker runs it again: attempt 2
         move(client, run.id, Crashed(), Scheduled(name="AwaitingRestart"), Pending(), Running())
         assert client.read_flow_run(run.id).run_count == 2
         own = client.create_task_run(a_unit, run.id, "own", state=Pending())

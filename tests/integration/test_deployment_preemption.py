@@ -5,11 +5,11 @@ checkpoint at the current step, and the run reschedules itself (``Preempted``, a
 runs the same flow run again, which resumes at that step; its state history never shows Failed or Crashed, the
 unit task it stopped ends Preempted (not Crashed, as Prefect shows an exception that is not an Exception), and
 the final weights are torch.equal to an uninterrupted deployment run's. A SIGKILL (a machine gone) is restarted by
-the automation exactly once, however many Crashed reports the worker sends, and never shows Failed.
+the reconciler exactly once, however many Crashed reports the worker sends, and never shows Failed.
 
 Machines rarely stop with one signal: a second SIGTERM 0.1 s later and a storm of them until the process is gone
 change nothing of that (never Crashed); a machine shutting down (SIGTERM to the worker and to the flow-run process
-at once) leaves the run Scheduled "Preempted" with its checkpoint at the step, past the heartbeat automation's window,
+at once) leaves the run Scheduled "Preempted" with its checkpoint at the step, past the heartbeat window with the stack's reconciler watching,
 and the next worker completes it bit-identically.
 """
 
@@ -176,7 +176,13 @@ def test_a_machine_shutdown_stopping_worker_and_flow_run_together_leaves_the_run
     assert run.state.type == StateType.SCHEDULED, run.state
     info = CheckpointStore(str(folder), "p").latest(deep=True)
     assert info.progress["step"] == batches(record) and info.progress["step"] % 4 != 0  # at the step, in the unit
-    time.sleep(HEARTBEAT_WITHIN_SECONDS + 15)  # no worker, no heartbeat: the automation must not call it a crash
+    # No worker, no heartbeat: the stack's reconciler (on a machine still up) must not call it a crash
+    reconciler = stacks.start_recovery(prefect_stack.stack, tmp_path / "recovery.log")
+    try:
+        time.sleep(HEARTBEAT_WITHIN_SECONDS + 15)
+        assert reconciler.poll() is None, (tmp_path / "recovery.log").read_text()
+    finally:
+        stacks.stop(reconciler)
     run = read_run(prefect_stack, run_id)
     assert (run.state.type, run.state.name) == (StateType.SCHEDULED, "Preempted"), run.state
     assert "Crashed" not in state_names(prefect_stack, run_id)

@@ -1,7 +1,7 @@
 """The deployments, end to end on a real Prefect server and process worker, with real signals.
 
 Proves what the product promises for deployments: prefect.yaml's nightly schedule creates runs; the
-automations install idempotently; `prefect deployment run` completes with checkpoints and artifacts; a
+install leaves no automation and one heartbeat window; `prefect deployment run` completes with checkpoints and artifacts; a
 flow-run process killed mid-unit comes back as the same flow run and resumes from its last checkpoint; a
 run that keeps dying stops at max_restarts as Failed; scheduled retraining warm-starts from the released
 model and promotes only models that are not worse, gives two ticks in one minute runs of their own, and
@@ -21,6 +21,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
@@ -28,10 +30,11 @@ from pathlib import Path
 from uuid import UUID, uuid4
 
 import pytest
+from prefect.automations import AutomationCore, ChangeFlowRunState, EventTrigger, Posture
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 from prefect.client.schemas.objects import StateType
 
-from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, RESTART_CRASHED, RESTART_MISSED
+from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, OBSOLETE, WINDOW_VARIABLE, window_seconds
 from deployments.stack import install_automations, worker_threads
 from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 from tests.integration.stack_client import (
@@ -75,22 +78,41 @@ def test_nightly_schedule_from_prefect_yaml_creates_runs_at_three_utc(prefect_st
     wait_for(lambda: not scheduled_runs(prefect_stack, deployment.id), 60, "the paused schedule's runs to go")
 
 
-def test_installing_the_automations_again_updates_them_in_place(prefect_stack):
-    before = read_automations(prefect_stack)
+def test_installing_again_removes_old_automations_and_stores_one_window(prefect_stack):
+    """No automation decides a run's fate (deployments/automations.py): installing deletes those an older install
+    left, the heartbeat-lost one included, and stores the window every reconciler of the server reads."""
+    with client(prefect_stack) as c:
+        found = c.read_deployment_by_name(DEFAULT_DEPLOYMENTS[0])
+        c.create_automation(
+            AutomationCore(  # what the install before this one left on the server: the heartbeat rule
+                name=HEARTBEAT_LOST,
+                trigger=EventTrigger(
+                    posture=Posture.Proactive, after={"prefect.flow-run.heartbeat"},
+                    expect={"prefect.flow-run.heartbeat"}, match={"prefect.resource.id": "prefect.flow-run.*"},
+                    for_each={"prefect.resource.id"}, within=timedelta(seconds=60),
+                ),
+                actions=[ChangeFlowRunState(state=StateType.CRASHED)],
+            )
+        )  # fmt: skip
+    assert read_automations(prefect_stack)[HEARTBEAT_LOST]
     install_automations(prefect_stack.stack, "--within", "75")
     try:
         after = read_automations(prefect_stack)
         with client(prefect_stack) as c:
-            deployment_ids = {f"prefect.deployment.{c.read_deployment_by_name(n).id}" for n in DEFAULT_DEPLOYMENTS}
+            window = window_seconds(c, [found])
+        refused = subprocess.run(
+            [sys.executable, "-m", "deployments.automations", "--within", "20"],
+            env=prefect_stack.env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        kept = read_automations(prefect_stack)[WINDOW_VARIABLE]
     finally:
         install_automations(prefect_stack.stack, "--within", str(HEARTBEAT_WITHIN_SECONDS))
 
-    assert [a.id for a in after[HEARTBEAT_LOST]] == [a.id for a in before[HEARTBEAT_LOST]]  # one, the same object
-    assert after[HEARTBEAT_LOST][0].trigger.within == timedelta(seconds=75)
-    # deployment runs only: a CLI run against this server (a sweep without heartbeats) is never matched
-    assert set(after[HEARTBEAT_LOST][0].trigger.match_related.root["prefect.resource.id"]) == deployment_ids
-    # nothing restarts a run on an event as it was: the reconciler (deployments/recovery.py) is the one authority
-    assert after[RESTART_CRASHED] == [] and after[RESTART_MISSED] == []
+    assert all(after[name] == [] for name in OBSOLETE), after  # nothing acts on events as they were
+    assert after[WINDOW_VARIABLE] == 75 and window == 75.0  # what a reconciler of this server counts silence by
+    assert refused.returncode == 2 and kept == 75, (refused.returncode, kept)  # a window a heartbeat long: refused
+    [line] = refused.stderr.strip().splitlines()
+    assert "--within 20" in line and "heartbeat frequency (30s)" in line, line
 
 
 def test_deployment_run_from_the_cli_completes_with_checkpoints_and_artifacts(prefect_stack, tmp_path):
@@ -265,14 +287,14 @@ def test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_check
 
 
 def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another_worker(prefect_stack, tmp_path):
-    """A whole dead machine (worker and run) is marked Crashed by the heartbeat rule and restarted elsewhere.
+    """A whole dead machine (worker and run) is marked Crashed by the reconciler of the worker that replaces it (the
+    one liveness authority: no automation) once its heartbeats stop for the window, and restarted there.
 
     The same silence carries issue 44, item 3: every `python -m flows.sweep` flow run longer than the heartbeat window
-    against a stack's server was marked `Crashed: no heartbeat` while alive. The heartbeat rule (and the reconciler)
-    watch deployment runs only: a flow run of the sweep flow started from the CLI, which sent a heartbeat before the
-    deployment run started and then none for twice the window, stays Running, while the rule marks the dead
-    deployment run Crashed inside that time. (With the rule matched on the training *flows*, as before, it is Crashed
-    within the window.)"""
+    against a stack's server was marked `Crashed: no heartbeat` while alive. The reconciler
+    watches deployment runs only: a flow run of the sweep flow started from the CLI, which sent a heartbeat before the
+    deployment run started and then none for twice the window, stays Running, while the reconciler marks the dead
+    deployment run Crashed inside that time."""
     folder, markers = tmp_path / "runs", tmp_path / "markers"
     with client(prefect_stack) as c:
         cli_run = cli_run_with_one_heartbeat(c)
@@ -288,7 +310,7 @@ def test_dead_machine_is_detected_by_missing_heartbeats_and_restarted_on_another
     assert run.run_count == 2
     with client(prefect_stack) as c:
         crashed = [s for s in c.read_flow_run_states(run_id) if s.type == StateType.CRASHED]
-    assert crashed and "no heartbeat" in crashed[0].message  # marked by the heartbeat automation
+    assert crashed and "no heartbeat" in crashed[0].message and "recovery sweep" in crashed[0].message  # the reconciler
     assert sorted(checkpoints(folder, "machine")) == ["ep1-ba8-sa256", "ep2-ba16-sa512", "ep3-ba24-sa768"]
     logs_containing(prefect_stack, run_id, "unit 1 (attempt 1): starting from checkpoint ep1-ba8-sa256 at epoch 1")
 

@@ -2,7 +2,7 @@
 
 test_deployments.py runs every deployment test on SQLite (the zero-set-up default of `make stack`). On SQLite a
 write that collided with a state change was retried (in older versions, the restart automation's, which restarted a
-crashed run again each time; deployments/automations.py, ALIVE_OR_DONE): the crash -> restart tests are the ones a database can break,
+crashed run again each time; deployments/automations.py): the crash -> restart tests are the ones a database can break,
 so they run here too, with their assertions unchanged, on a PostgreSQL server started for this module. The rest
 passed on PostgreSQL as well (`make test-deployments DB=postgres`, docs/deployments-postgres.md), and would only
 repeat minutes of training here. The last test proves the state really is in PostgreSQL and that its password

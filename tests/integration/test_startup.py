@@ -191,7 +191,7 @@ def test_train_from_python_waits_for_a_server_slower_than_prefects_own_timeout(t
 
 
 def test_a_flow_run_still_sends_heartbeats_and_ends_without_waiting_on_their_thread(prefect_harness, tmp_path):
-    """flows/heartbeat.py: the heartbeat thread that the heartbeat-lost automation and the reconciler rely on still reports to the server,
+    """flows/heartbeat.py: the heartbeat thread that the reconciler relies on still reports to the server,
     and is stopped and joined when the flow returns (without the second-long sleep Prefect 3.8's has)."""
     import threading
     import uuid

@@ -150,7 +150,7 @@ def test_ui_shows_live_progress_curves_and_one_card_each_after_a_crash_restart(c
 
     os.kill(flow_run_process(prefect_stack.worker.pid, run_id), signal.SIGKILL)
     run = wait_completed_and_settled(prefect_stack, run_id)
-    assert run.run_count >= 2  # the same flow run, restarted by the automation
+    assert run.run_count >= 2  # the same flow run, restarted by the reconciler
 
     with browser.Page(chromium) as page:
         open_run(page, prefect_stack, run_id)

@@ -1,0 +1,52 @@
+"""The heartbeat window lives on the server as a Prefect variable that ``python -m deployments.automations`` writes
+and every reconciler reads (deployments/automations.py: no automation marks silence any more). Anyone with the API
+can write a variable, so a reconciler checks it: a value that is not a number of seconds, or one that would mark
+every healthy run Crashed, is said once and replaced by 3x the heartbeat frequency. Against the session's real
+Prefect test server."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import VariableCreate, VariableUpdate
+
+from deployments.automations import WINDOW_VARIABLE, heartbeat_seconds, window_problem, window_seconds
+
+
+@pytest.fixture
+def client(prefect_harness):
+    with get_client(sync_client=True) as c:
+        yield c
+        c.delete_variable_by_name(WINDOW_VARIABLE)
+
+
+def put(client, value) -> None:
+    if client.read_variable_by_name(WINDOW_VARIABLE) is None:
+        client.create_variable(VariableCreate(name=WINDOW_VARIABLE, value=value))
+    else:
+        client.update_variable(VariableUpdate(name=WINDOW_VARIABLE, value=value))
+
+
+def test_a_reconciler_uses_the_stored_window_and_refuses_a_bad_one(client, caplog):
+    default = 3.0 * heartbeat_seconds([])
+    assert window_seconds(client, []) == default  # nothing stored: 3x the heartbeat frequency
+
+    put(client, default + 7.5)
+    assert window_seconds(client, []) == default + 7.5
+
+    frequency = heartbeat_seconds([])
+    for bad in ["90", frequency, 1e12, True]:  # text, a window no longer than a heartbeat, a typo, a bool
+        put(client, bad)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="deployments.automations"):
+            assert window_seconds(client, []) == default
+        [line] = [r.getMessage() for r in caplog.records]
+        assert WINDOW_VARIABLE in line and "--within" in line, line
+
+
+def test_window_problem_names_why():
+    assert window_problem(90.0, 30) is None
+    assert "heartbeat frequency (30s)" in (window_problem(30, 30) or "")
+    assert "not a number" in (window_problem(float("nan"), 30) or "")
