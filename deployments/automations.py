@@ -46,17 +46,39 @@ WINDOW_VARIABLE = "training_heartbeat_window_seconds"
 MAX_WINDOW_SECONDS = 7 * 24 * 3600.0  # a window longer than a week is a typo: no dead machine would ever be found
 
 logger = logging.getLogger("deployments.automations")
+_SAID: set[tuple[object, str]] = set()  # bad heartbeat values already said: a reconciler reads them every pass
 
 
 def heartbeat_seconds(deployments: list[DeploymentResponse]) -> int:
     """The heartbeat frequency the deployments' runs use: their job variables' env, else this process's setting."""
-    values = []
-    for deployment in deployments:
-        env = (deployment.job_variables or {}).get("env") or {}
-        if env.get(HEARTBEAT_SETTING):
-            values.append(int(env[HEARTBEAT_SETTING]))
+    values = [value for d in deployments if (value := deployment_heartbeat(d)) is not None]
     setting = get_current_settings().flows.heartbeat_frequency or 180
     return max(max(values, default=setting), MIN_HEARTBEAT_SECONDS)
+
+
+def deployment_heartbeat(deployment: DeploymentResponse) -> int | None:
+    """Every how many seconds the deployment's runs send a heartbeat, if its job variables' env sets it
+    (deployments/prefect.yaml does, for every deployment of the product). Anyone with the API can write job
+    variables: a value that is not a positive whole number is said, and counts as no heartbeat."""
+    env = (deployment.job_variables or {}).get("env")
+    value = env.get(HEARTBEAT_SETTING) if isinstance(env, dict) else None
+    if value is None or value == "":
+        return None
+    text = str(value).strip()
+    if not text.isdigit() or int(text) == 0:
+        if (deployment.id, text) in _SAID:
+            return None
+        _SAID.add((deployment.id, text))
+        logger.warning(
+            "deployment %s: job variable env.%s=%r is not a positive whole number of seconds; its runs are "
+            "judged as runs without heartbeats", deployment.name, HEARTBEAT_SETTING, value,
+        )  # fmt: skip
+        return None
+    return int(text)
+
+
+def sends_heartbeats(deployment: DeploymentResponse) -> bool:
+    return deployment_heartbeat(deployment) is not None
 
 
 def window_problem(value: object, frequency: float) -> str | None:

@@ -19,7 +19,9 @@ insert had failed with ``database is locked``. An automation cannot read the cur
   run that sent a heartbeat (or ``training.attempt.alive``) and then nothing for the heartbeat window,
   counted from no earlier than this reconciler's start, nor than the last pass the API failed or the server stored
   none of its events (``Vigil``: a held SQLite write lock, a database outage), is marked Crashed (evidence; restarted
-  on a later pass). A run that never sent one (a CLI sweep without heartbeats) is never marked;
+  on a later pass). A run of a deployment whose runs send heartbeats that has none stored at all is judged from its
+  Running state (killed seconds after it started, its first beats lost with the database); a run of a deployment
+  without heartbeats that never sent a sign of life is never marked;
 - every restart counts against ``max_restarts``: the flow counts its runs again, preemptions included
   (flows/restarts.py), and ends Failed past the cap; Failed is never restarted.
 
@@ -56,7 +58,7 @@ from prefect.client.schemas.responses import DeploymentResponse, OrchestrationRe
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.states import Crashed, Scheduled, to_state_create
 
-from deployments.automations import DEFAULT_DEPLOYMENTS, window_seconds
+from deployments.automations import DEFAULT_DEPLOYMENTS, sends_heartbeats, window_seconds
 from training.run_states import ATTEMPT_DIED  # a subflow a restarted attempt ended: never a death to restart
 from training.run_states import AWAITING_RESTART as RESTARTED  # flows/restarts.py reads the same name
 
@@ -77,16 +79,17 @@ class Windows:
     silent: timedelta  # no heartbeat this long: the process is gone (``python -m deployments.automations --within``)
     settle: timedelta  # a Crashed this old, with no life after it, is a death to restart
     watching_since: datetime  # silence counts from no earlier than this: beats sent while the server was down are lost
+    beating: frozenset[UUID] = frozenset()  # deployments whose runs send heartbeats: a run of one is never beatless
 
     @classmethod
     def of(
         cls, silent_seconds: float, watching_since: datetime, margin_seconds: float | None = None,
-        settle_seconds: float = GRACE_SECONDS,
+        settle_seconds: float = GRACE_SECONDS, beating: frozenset[UUID] = frozenset(),
     ) -> Windows:  # fmt: skip
         """``margin_seconds``, if given, settles a crash ``silent_seconds + margin_seconds`` after it (tests)."""
         silent = timedelta(seconds=silent_seconds)
         settle = silent + timedelta(seconds=margin_seconds) if margin_seconds is not None else None
-        return cls(silent, settle if settle is not None else timedelta(seconds=settle_seconds), watching_since)
+        return cls(silent, settle if settle is not None else timedelta(seconds=settle_seconds), watching_since, beating)
 
 
 @dataclass(frozen=True)
@@ -149,24 +152,28 @@ def _runs(client: SyncPrefectClient, deployment_ids: list[UUID], types: list[Sta
 
 
 def _crash_if_silent(client: SyncPrefectClient, run: FlowRun, windows: Windows) -> None:
-    """Marks Crashed a Running run that has sent a sign of life, but none within ``windows.silent``. A run that never
-    sent one (heartbeats turned off) cannot be told from a dead one, and is left alone."""
+    """Marks Crashed a Running run with no sign of life within ``windows.silent``. Silence counts from its last
+    sign of life; for a run of a deployment whose runs send heartbeats (``windows.beating``) that has none stored at
+    all, from its Running state: a run killed seconds after it started, its first heartbeats lost with the database
+    that died under it, is as dead as one that beat for an hour. A run of a deployment without heartbeats that never
+    sent one cannot be told from a dead one, and is left alone."""
     assert run.state is not None
     last = _last_life(client, run.id, since=run.state.timestamp)
-    if last is None:
+    if last is None and run.deployment_id not in windows.beating:
         return
-    silent_since = max(last, run.state.timestamp, windows.watching_since)
+    silent_since = max(last or run.state.timestamp, run.state.timestamp, windows.watching_since)
     silence = _now() - silent_since
     if silence < windows.silent:
         return
+    what = "no heartbeat" if last is not None else "no heartbeat stored since it started running"
     state: Any = Crashed(
-        message=f"no heartbeat for {silence.total_seconds():.0f}s: the flow-run process is gone "
+        message=f"{what} for {silence.total_seconds():.0f}s: the flow-run process is gone "
         "(found by the recovery sweep, deployments/recovery.py)"
     )
     result = client.set_flow_run_state(run.id, state, force=False)
     if result.status == SetStateStatus.ACCEPT:
         logger.warning(
-            "flow run %s (%s): no heartbeat for %.0fs, marked Crashed", run.id, run.name, silence.total_seconds()
+            "flow run %s (%s): %s for %.0fs, marked Crashed", run.id, run.name, what, silence.total_seconds()
         )
 
 
@@ -238,6 +245,7 @@ class Vigil:
         self.stall = timedelta(seconds=stall_seconds)
         self.resource = f"training.reconciler.{uuid.uuid4()}"
         self.probing_since: datetime | None = None
+        self.stalled = False
 
     def check(self, client: SyncPrefectClient) -> datetime:
         """Sends this pass's probe, reads the newest one stored, and returns ``since`` (moved to now on a stall)."""
@@ -256,7 +264,15 @@ class Vigil:
         )
         newest = max((event.occurred for event in page.events), default=self.probing_since)
         if now - newest > self.stall:
-            self.since = now
+            if not self.stalled:
+                logger.warning(
+                    "the server has stored none of this reconciler's events for %.0fs: silence counts from when it "
+                    "stores them again", (now - newest).total_seconds(),
+                )  # fmt: skip
+            self.stalled, self.since = True, now
+        elif self.stalled:
+            self.stalled = False
+            logger.info("the server stores events again: silence counts from %s", f"{self.since:%H:%M:%S} UTC")
         return self.since
 
     def failed(self) -> None:
@@ -277,8 +293,14 @@ def deployments(client: SyncPrefectClient, names: list[str]) -> list[DeploymentR
 def sweep_once(names: list[str], watching_since: datetime) -> list[UUID]:
     """One pass over the named deployments' runs, with the server's heartbeat window (deployments/automations.py)."""
     with get_client(sync_client=True) as client:
-        found = deployments(client, names)
-        return sweep(client, [d.id for d in found], Windows.of(window_seconds(client, found), watching_since))
+        return _pass(client, names, watching_since)
+
+
+def _pass(client: SyncPrefectClient, names: list[str], watching_since: datetime) -> list[UUID]:
+    found = deployments(client, names)
+    beating = frozenset(d.id for d in found if sends_heartbeats(d))
+    windows = Windows.of(window_seconds(client, found), watching_since, beating=beating)
+    return sweep(client, [d.id for d in found], windows)
 
 
 def reconcile_forever(
@@ -290,8 +312,7 @@ def reconcile_forever(
     while not stop.is_set():
         try:
             with get_client(sync_client=True) as client:
-                found = deployments(client, names)
-                sweep(client, [d.id for d in found], Windows.of(window_seconds(client, found), vigil.check(client)))
+                _pass(client, names, vigil.check(client))
         except Exception as exc:  # the server or its database is down: it is what this reconciler outlives
             vigil.failed()
             logger.warning("reconcile failed (%s: %s); next in %.0fs", type(exc).__name__, exc, interval)

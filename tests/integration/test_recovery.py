@@ -26,6 +26,7 @@ from prefect.states import Crashed, Failed, Running
 from checkpointing import CheckpointStore
 from deployments import recovery
 from deployments import stack as stacks
+from deployments.automations import HEARTBEAT_SETTING
 from deployments.recovery import Windows
 from tests.integration.stack_client import pause_config, start_run, state_names, wait_for, wait_for_state
 from tests.integration.test_deployment_preemption import model_of
@@ -46,6 +47,15 @@ def api(prefect_harness):
         training = client.create_deployment(flow_id=flow_id, name="training")
         other = client.create_deployment(flow_id=flow_id, name="other")
         yield client, training, other
+
+
+@pytest.fixture(scope="module")
+def beating(api):
+    """A training deployment whose runs send heartbeats, as deployments/prefect.yaml makes every one of the product."""
+    client = api[0]
+    flow_id = client.create_flow_from_name("recovery-test-train")
+    env = {HEARTBEAT_SETTING: "30"}
+    return client.create_deployment(flow_id=flow_id, name="beating", job_variables={"env": env})
 
 
 def _run_in(client: SyncPrefectClient, deployment_id: UUID, *states) -> UUID:
@@ -143,6 +153,24 @@ def test_a_running_run_whose_heartbeats_stopped_is_marked_crashed_and_restarted_
     state = client.read_flow_run(run_id).state
     assert state.type == StateType.CRASHED and "no heartbeat" in state.message
     assert run_id not in restarted  # a restart waits out the grace period from this Crashed, as after any other
+
+
+def test_a_run_killed_before_any_of_its_heartbeats_was_stored_is_marked_crashed_where_its_deployment_beats(
+    api, beating
+):
+    """The database died seconds after the run started: its first beats died with it (test_recovery's outage under
+    load). Where runs beat, no sign of life stored for the window since its Running state is a dead process; where
+    they do not, it is left alone."""
+    client, training, _ = api
+    beatless, killed_early = _run_in(client, training, Running()), _run_in(client, beating, Running())
+    time.sleep(NOW_SETTLED * 2)
+    windows = Windows.of(NOW_SETTLED, BEGINNING, margin_seconds=120, beating=frozenset({beating}))
+
+    assert recovery.sweep(client, [training, beating], windows) == []  # marked now, restarted after the grace
+
+    state = client.read_flow_run(killed_early).state
+    assert state.type == StateType.CRASHED and "no heartbeat stored since it started running" in state.message
+    assert client.read_flow_run(beatless).state.type == StateType.RUNNING
 
 
 def test_silence_counts_from_the_sweepers_start_not_from_before_the_outage(api):

@@ -12,14 +12,22 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import VariableCreate, VariableUpdate
 
-from deployments.automations import WINDOW_VARIABLE, heartbeat_seconds, window_problem, window_seconds
+from deployments.automations import (
+    HEARTBEAT_SETTING,
+    WINDOW_VARIABLE,
+    deployment_heartbeat,
+    heartbeat_seconds,
+    window_problem,
+    window_seconds,
+)
 
 
 @pytest.fixture
 def client(prefect_harness):
     with get_client(sync_client=True) as c:
         yield c
-        c.delete_variable_by_name(WINDOW_VARIABLE)
+        if c.read_variable_by_name(WINDOW_VARIABLE) is not None:
+            c.delete_variable_by_name(WINDOW_VARIABLE)
 
 
 def put(client, value) -> None:
@@ -50,3 +58,21 @@ def test_window_problem_names_why():
     assert window_problem(90.0, 30) is None
     assert "heartbeat frequency (30s)" in (window_problem(30, 30) or "")
     assert "not a number" in (window_problem(float("nan"), 30) or "")
+
+
+def test_a_deployments_heartbeat_is_read_from_its_env_and_a_bad_one_counts_as_none(client, caplog):
+    """What tells the reconciler to judge a run that has no heartbeat stored at all (deployments/recovery.py)."""
+    flow_id = client.create_flow_from_name("liveness-window")
+
+    def heartbeat_of(name: str, env: object):
+        deployment_id = client.create_deployment(flow_id=flow_id, name=name, job_variables={"env": env})
+        return deployment_heartbeat(client.read_deployment(deployment_id))
+
+    assert heartbeat_of("beats", {HEARTBEAT_SETTING: "30"}) == 30
+    assert heartbeat_of("silent", {}) is None
+    for i, bad in enumerate(["thirty", "-5", "0", "1e3"]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="deployments.automations"):
+            assert heartbeat_of(f"bad-{i}", {HEARTBEAT_SETTING: bad}) is None
+        [line] = [r.getMessage() for r in caplog.records]
+        assert HEARTBEAT_SETTING in line and repr(bad) in line, line
