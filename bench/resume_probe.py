@@ -41,14 +41,16 @@ def main() -> int:
 
     _mark("imports done")
     import checkpointing.store
+    import flows.cli
+    import training.run
     import training.unit.loop
     import training.unit.session
     from checkpointing.io.storage import Storage
 
-    _wrap(flows.train, "load_recipe", "load recipe")  # main(): checks the recipe before Prefect starts
+    _wrap(flows.cli, "check_before_prefect", "load recipe")  # main(): checks the recipe before Prefect starts
     _wrap(flows.train, "check_restart_cap", "flow body")  # the flow body's first call
     _wrap(flows.train, "unit_task", "unit task")  # after planning: latest, claim, progress artifact
-    _wrap(sys.modules["tasks.train_unit"], "run_unit", "run unit")  # the task body (the package shadows the module)
+    _wrap(training.run, "run_unit", "run unit")  # the task body
     _wrap(training.unit.session, "restore", "restore")  # build + load
     _wrap(training.unit.session, "_load_into", "load into")
     _wrap(checkpointing.store.CheckpointStore, "load", "load")  # after resolving which checkpoint
