@@ -35,30 +35,42 @@ def _wrap(owner, attr: str, name: str) -> None:
     setattr(owner, attr, staticmethod(timed) if isinstance(owner.__dict__.get(attr), staticmethod) else timed)
 
 
+# (module, attribute, mark): the product functions whose calls mark the relaunch's parts (bench/resume_latency.py);
+# tests/unit/test_bench_probes.py checks each still exists, so a rename fails a test and not the next benchmark run
+TARGETS = [
+    ("flows.cli", "check_before_prefect", "load recipe"),  # main(): checks the recipe before Prefect starts
+    ("flows.train", "check_restart_cap", "flow body"),  # the flow body's first call
+    ("flows.train", "unit_task", "unit task"),  # after planning: latest, claim, progress artifact
+    ("training.run", "run_unit", "run unit"),  # the task body
+    ("training.unit.session", "restore", "restore"),  # build + load
+    ("training.unit.session", "_load_into", "load into"),
+    ("checkpointing.store", "CheckpointStore.load", "load"),  # after resolving which checkpoint
+    ("checkpointing.io.storage", "Storage.get_hashed", "read+verify"),  # download + sha256 of one file
+    ("checkpointing.store", "safe_load", "unpickle"),
+    ("training.unit.session", "_apply", "apply state"),  # load_state_dict, RNG, progress
+    ("training.unit.loop", "_loader", "loader"),  # sampler (the epoch's order) + DataLoader
+    ("training.unit.loop", "_step", "step"),
+]
+
+
+def target(module: str, attribute: str) -> tuple[object, str]:
+    """The object that holds ``attribute`` (a module, or a class for ``Class.method``) and the attribute's name."""
+    import importlib
+
+    owner: object = importlib.import_module(module)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
 def main() -> int:
     out, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1 :]
     import flows.train  # everything the relaunch imports before it can do anything
 
     _mark("imports done")
-    import checkpointing.store
-    import flows.cli
-    import training.run
-    import training.unit.loop
-    import training.unit.session
-    from checkpointing.io.storage import Storage
-
-    _wrap(flows.cli, "check_before_prefect", "load recipe")  # main(): checks the recipe before Prefect starts
-    _wrap(flows.train, "check_restart_cap", "flow body")  # the flow body's first call
-    _wrap(flows.train, "unit_task", "unit task")  # after planning: latest, claim, progress artifact
-    _wrap(training.run, "run_unit", "run unit")  # the task body
-    _wrap(training.unit.session, "restore", "restore")  # build + load
-    _wrap(training.unit.session, "_load_into", "load into")
-    _wrap(checkpointing.store.CheckpointStore, "load", "load")  # after resolving which checkpoint
-    _wrap(Storage, "get_hashed", "read+verify")  # download + sha256 of one file
-    _wrap(checkpointing.store, "safe_load", "unpickle")
-    _wrap(training.unit.session, "_apply", "apply state")  # load_state_dict, RNG, progress
-    _wrap(training.unit.loop, "_loader", "loader")  # sampler (the epoch's order) + DataLoader
-    _wrap(training.unit.loop, "_step", "step")
+    for module, attribute, mark in TARGETS:
+        _wrap(*target(module, attribute), mark)
     try:
         return flows.train.main(argv)
     finally:
