@@ -16,6 +16,14 @@ thread while it trains. A newer attempt that finds the previous lease alive asks
 (``leases/<generation>.stop``) and waits: the holder commits where it stands at its next step boundary,
 releases its lease and leaves; then the newer attempt claims and resumes from that checkpoint. A holder that
 is dead stops renewing, and its lease counts as gone ``LEASE_STALE`` seconds after its last renewal.
+
+A holder on *this* machine that has exited is known gone at once, without that wait (a SIGKILLed run relaunched
+where it ran: 15 s of every such relaunch). Its lease says which process held it: host, kernel boot, pid namespace,
+user, pid and the process's start time. Only when the boot, the pid namespace and the user are this process's own is
+the pid read (``/proc/<pid>/stat``): a pid of another namespace (a container with the same host name) or one hidden
+by ``hidepid`` would look dead, and a pid reused by another process has another start time. A lease is written
+where others may write, so this can only hasten a takeover, never prevent one: a forged identity costs a live
+holder its steps since its last commit, as a fence-out would.
 """
 
 from __future__ import annotations
@@ -129,6 +137,12 @@ class Fence:
         lease = self.read_lease(generation)
         if lease is None or lease.get("released") or _age(lease) > LEASE_STALE:
             return False
+        if exited_here(lease):
+            log.info(
+                "%s: generation %d was held by pid %s on this machine, which has exited: taken over at once",
+                redact_uri(self.storage.url), generation, lease.get("pid"),
+            )  # fmt: skip
+            return False
         holder = self.read(generation)
         log.warning(
             "%s: %s still holds this run (lease renewed %.0f s ago); asking it to commit where it stands and stop",
@@ -144,6 +158,9 @@ class Fence:
             lease = self.read_lease(generation)
             if lease is None or lease.get("released"):
                 log.info("%s: generation %d handed over", redact_uri(self.storage.url), generation)
+                return True
+            if exited_here(lease):
+                log.info("%s: generation %d exited while handing over", redact_uri(self.storage.url), generation)
                 return True
             if lease.get("beat") != beat:
                 beat, seen_at = lease.get("beat"), time.monotonic()
@@ -193,6 +210,56 @@ def _time(value: object) -> float:
     return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
 
 
+_PROC = "/proc"
+
+
+def process_identity(pid: int) -> dict[str, Any] | None:
+    """What tells this machine's process ``pid`` from any other: host, kernel boot, pid namespace, user and its
+    start time (clock ticks since boot). None where ``/proc`` does not say (not Linux, or the process is gone)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat(f"{_PROC}/self/ns/pid").st_ino
+        start = _start_ticks(pid)
+    except OSError:
+        return None
+    if start is None:
+        return None
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns, "uid": os.getuid(), "pid": pid, "start": start}
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The start time of process ``pid``, or None when it is gone or a zombie (killed, not yet reaped)."""
+    try:
+        with open(f"{_PROC}/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": comm may hold spaces and parentheses
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22 of proc(5), counted from the state (field 3)
+
+
+def exited_here(lease: dict[str, Any]) -> bool:
+    """Whether the lease's holder ran on this machine, in this pid namespace, as this user, and has exited (its pid
+    is gone, a zombie, or another process's). False whenever that cannot be known: then the lease must go stale."""
+    said = lease.get("process")
+    if not isinstance(said, dict):
+        return False
+    here = process_identity(os.getpid())
+    if here is None:
+        return False
+    for key in ("host", "boot", "pidns", "uid"):
+        if said.get(key) != here[key]:
+            return False
+    pid, start = said.get("pid"), said.get("start")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INT for v in (pid, start)):
+        return False
+    assert isinstance(pid, int)
+    return pid != os.getpid() and _start_ticks(pid) != start
+
+
 class Lease:
     """This writer's proof of life, renewed on a thread while it trains; ``on_stop`` is called (once, from that
     thread) when a newer attempt asks it to hand over."""
@@ -203,6 +270,7 @@ class Lease:
         self._beat = 0
         self._asked = False
         self._thread = threading.Thread(target=self._run, name=f"lease-g{generation}", daemon=True)
+        self._process = process_identity(os.getpid())  # lets a newer attempt on this machine see that it exited
 
     def start(self) -> Lease:
         self._renew(released=False)
@@ -235,7 +303,9 @@ class Lease:
 
     def _renew(self, released: bool) -> None:
         self._beat += 1
-        body = {"beat": self._beat, "renewed_at": time.time(), "released": released, "pid": os.getpid()}
+        body: dict[str, Any] = {"beat": self._beat, "renewed_at": time.time(), "released": released, "pid": os.getpid()}
+        if self._process is not None:
+            body["process"] = self._process
         self.fence.storage.put(f"{LEASES}/{self.generation:012d}", json.dumps(body).encode())
 
 
