@@ -1,7 +1,7 @@
 """MDS (as MDSWriter writes it) and WebDataset tars (as webdataset.ShardWriter writes them) trained by real processes
-that are really SIGKILLed (the process group: every rank) at a random step, and relaunched with another world size and
-global batch size (2 ranks x 32 -> 1 rank x 48): each sample is fed exactly once in the epoch, read back from the data
-itself. One scenario per format (MDS on S3 over HTTP, WebDataset on a local
+that are really SIGKILLed (the process group: every rank) at a random step three times, each relaunch with another
+world size and global batch size (2 ranks x 32 -> 1 x 48 -> 2 x 16 -> 1 x 48): each sample is fed exactly once in the
+epoch, read back from the data itself. One scenario per format (MDS on S3 over HTTP, WebDataset on a local
 folder); tests/integration/test_streaming_kill.py runs the longer one for token shards."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 
 import pytest
@@ -22,7 +23,9 @@ from tests.unit.test_sharded_data import consumed, keep_records
 
 pytestmark = pytest.mark.slow
 N = MDS_SAMPLES
-LAUNCHES = [(2, 32, 1), (1, 48, None)]  # (ranks, global batch size, killed after this many steps (random up to 4x))
+# (ranks, global batch size, killed after 1 to this many steps, at random; None: runs to the end). At most
+# 128 + 96 + 32 = 256 of the 276 samples before the last launch: every kill lands before the epoch ends.
+LAUNCHES = [(2, 32, 4), (1, 48, 2), (2, 16, 2), (1, 48, None)]
 
 
 def command(fmt: str, folder: str, options: dict | None, url: str, record, nproc: int, batch: int, until: str) -> list:
@@ -37,7 +40,9 @@ def command(fmt: str, folder: str, options: dict | None, url: str, record, nproc
 
 
 @pytest.mark.parametrize("fmt,where", [("mds", "s3"), ("webdataset", "local")])
-def test_a_kill_and_a_world_and_batch_size_change_feed_every_sample_once(request, tmp_path, monkeypatch, fmt, where):
+def test_three_kills_with_world_and_batch_size_changes_feed_every_sample_once(
+    request, tmp_path, monkeypatch, fmt, where
+):
     monkeypatch.setenv("TRAIN_ALLOWED_RECIPES", f"{os.environ['TRAIN_ALLOWED_RECIPES']},{FORMAT_RECORDING}")
     if fmt == "mds":
         data = tmp_path / "source"
@@ -49,13 +54,14 @@ def test_a_kill_and_a_world_and_batch_size_change_feed_every_sample_once(request
         url = upload(tmp_path / "source", f"{folder.rsplit('/', 1)[0]}/data", options)
     else:
         folder, options, url = str(tmp_path / "runs"), None, str(tmp_path / "source")
-    rng, record, launches = random.Random(fmt), tmp_path / "record", []
+    rng, record, launches, codes = random.Random(fmt), tmp_path / "record", [], []
     for n, (nproc, batch, kill) in enumerate(LAUNCHES):
         cmd = command(fmt, folder, options, url, record, nproc, batch, "1ep")
-        # the first launch is killed at a random step (one record per rank per step), past its first checkpoint or not
-        kill_after = rng.randint(1, 4) * nproc if kill else None
-        launch(cmd, tmp_path / f"launch{n}.log", kill_after, record)
+        # each launch but the last is killed at a random step (a record per rank per step), past a checkpoint or not
+        kill_after = rng.randint(1, kill) * nproc if kill else None
+        codes.append(launch(cmd, tmp_path / f"launch{n}.log", kill_after, record))
         launches.append(keep_records(record, tmp_path / f"launch{n}"))
     fed = consumed(launches)
-    assert len(list(launches[0].glob("read-rank*.txt"))) == 2  # the killed launch trained on both ranks
-    assert sorted(fed) == list(range(N))  # each sample exactly once in the epoch, across the kill and the changes
+    assert codes == [-signal.SIGKILL] * 3 + [0]  # three kills, each before the epoch's end, then the run completes
+    assert [len(list(launch.glob("read-rank*.txt"))) for launch in launches[:3]] == [2, 1, 2]  # each killed mid-run
+    assert sorted(fed) == list(range(N))  # each sample exactly once in the epoch, across the kills and the changes

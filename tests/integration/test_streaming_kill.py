@@ -41,8 +41,9 @@ def lines(record: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in record.glob("read-rank*.txt"))
 
 
-def launch(cmd: list[str], log: Path, kill_after: int | None, record: Path) -> None:
-    """Runs ``cmd`` to its end, or SIGKILLs its process group once ``kill_after`` steps' records exist."""
+def launch(cmd: list[str], log: Path, kill_after: int | None, record: Path) -> int:
+    """Runs ``cmd`` to its end, or SIGKILLs its process group once ``kill_after`` steps' records exist; its exit code
+    (``-SIGKILL`` when killed)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -55,6 +56,7 @@ def launch(cmd: list[str], log: Path, kill_after: int | None, record: Path) -> N
         code = proc.wait(timeout=300)
     if kill_after is None or code == 0:
         assert code == 0, log.read_text()[-4000:]
+    return code
 
 
 @pytest.mark.parametrize("seed", seeds(1))
