@@ -1,8 +1,9 @@
 """MDS (as MDSWriter writes it) and WebDataset tars (as webdataset.ShardWriter writes them) trained by real processes
 that are really SIGKILLed (the process group: every rank) at a random step three times, each relaunch with another
-world size and global batch size (2 ranks x 32 -> 1 x 48 -> 2 x 16 -> 1 x 48): each sample is fed exactly once in the
-epoch, read back from the data itself. One scenario per format (MDS on S3 over HTTP, WebDataset on a local
-folder); tests/integration/test_streaming_kill.py runs the longer one for token shards."""
+world size, global batch size and number of DataLoader workers (2 ranks x 32, no workers -> 1 x 48, 2 workers -> 2 x
+16, 1 worker each -> 1 x 48): each sample is fed exactly once in the epoch, read back from the data itself. One
+scenario per format (MDS on S3 over HTTP, WebDataset on a local folder); tests/integration/test_streaming_kill.py runs
+the longer one for token shards."""
 
 from __future__ import annotations
 
@@ -23,19 +24,21 @@ from tests.unit.test_sharded_data import consumed, keep_records
 
 pytestmark = pytest.mark.slow
 N = MDS_SAMPLES
-# (ranks, global batch size, killed after 1 to this many steps, at random; None: runs to the end). At most
-# 128 + 96 + 32 = 256 of the 276 samples before the last launch: every kill lands before the epoch ends.
-LAUNCHES = [(2, 32, 4), (1, 48, 2), (2, 16, 2), (1, 48, None)]
+# (ranks, global batch size, DataLoader workers per rank, killed after 1 to this many steps, at random; None: runs to
+# the end). At most 128 + 96 + 32 = 256 of the 276 samples before the last launch: every kill lands before the end.
+LAUNCHES = [(2, 32, 0, 4), (1, 48, 2, 2), (2, 16, 1, 2), (1, 48, 0, None)]
 
 
-def command(fmt: str, folder: str, options: dict | None, url: str, record, nproc: int, batch: int, until: str) -> list:
+def command(
+    fmt: str, folder: str, options: dict | None, url: str, record, nproc: int, batch: int, until: str, workers: int = 0
+) -> list:
     args = {"data_format": fmt, "data_url": url, "data_options": options or {}, "vocab_size": 512, "block_size": BLOCK,
             "n_layer": 1, "n_head": 1, "n_embd": 8, "record_dir": str(record)}  # fmt: skip
     return [
         sys.executable, "-m", "tests.run_lifecycle", "--run_name", "fmt", "--save_folder", folder,
         "--storage_options", json.dumps(options or {}), "--recipe", FORMAT_RECORDING, "--recipe_args", json.dumps(args),
         "--nproc_per_node", str(nproc), "--global_batch_size", str(batch), "--max_duration", until,
-        "--save_interval", "2ba", "--snapshot_interval", "1ba", "--seed", "11",
+        "--save_interval", "2ba", "--snapshot_interval", "1ba", "--seed", "11", "--num_workers", str(workers),
     ]  # fmt: skip
 
 
@@ -55,8 +58,8 @@ def test_three_kills_with_world_and_batch_size_changes_feed_every_sample_once(
     else:
         folder, options, url = str(tmp_path / "runs"), None, str(tmp_path / "source")
     rng, record, launches, codes = random.Random(fmt), tmp_path / "record", [], []
-    for n, (nproc, batch, kill) in enumerate(LAUNCHES):
-        cmd = command(fmt, folder, options, url, record, nproc, batch, "1ep")
+    for n, (nproc, batch, workers, kill) in enumerate(LAUNCHES):
+        cmd = command(fmt, folder, options, url, record, nproc, batch, "1ep", workers)
         # each launch but the last is killed at a random step (a record per rank per step), past a checkpoint or not
         kill_after = rng.randint(1, kill) * nproc if kill else None
         codes.append(launch(cmd, tmp_path / f"launch{n}.log", kill_after, record))
