@@ -42,9 +42,9 @@ def command(
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt,where", [("mds", "s3"), ("webdataset", "local")])
+@pytest.mark.parametrize("fmt,where,parallelism", [("mds", "s3", "ddp"), ("webdataset", "local", "fsdp")])
 def test_three_kills_with_world_and_batch_size_changes_feed_every_sample_once(
-    request, tmp_path, monkeypatch, fmt, where
+    request, tmp_path, monkeypatch, fmt, where, parallelism
 ):
     monkeypatch.setenv("TRAIN_ALLOWED_RECIPES", f"{os.environ['TRAIN_ALLOWED_RECIPES']},{FORMAT_RECORDING}")
     if fmt == "mds":
@@ -59,7 +59,7 @@ def test_three_kills_with_world_and_batch_size_changes_feed_every_sample_once(
         folder, options, url = str(tmp_path / "runs"), None, str(tmp_path / "source")
     rng, record, launches, codes = random.Random(fmt), tmp_path / "record", [], []
     for n, (nproc, batch, workers, kill) in enumerate(LAUNCHES):
-        cmd = command(fmt, folder, options, url, record, nproc, batch, "1ep", workers)
+        cmd = [*command(fmt, folder, options, url, record, nproc, batch, "1ep", workers), "--parallelism", parallelism]
         # each launch but the last is killed at a random step (a record per rank per step), past a checkpoint or not
         kill_after = rng.randint(1, kill) * nproc if kill else None
         codes.append(launch(cmd, tmp_path / f"launch{n}.log", kill_after, record))

@@ -17,6 +17,7 @@ The process group (gloo on CPU, nccl on CUDA) is set up by ``training.distribute
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -64,20 +65,32 @@ class LoadedExtra:
 
 def shard_model(model: nn.Module, device: torch.device, *, units: Iterable[nn.Module] | None = None) -> nn.Module:
     """Moves ``model`` to ``device`` and shards it in place with FSDP2: each of ``units`` (default: every
-    submodule that owns parameters itself) gets its own ``fully_shard``, then the root. Returns ``model``.
+    submodule that owns parameters itself, none of them tied to another's) gets its own ``fully_shard``, then the
+    root, which takes the rest. Returns ``model``.
 
-    The mesh is built for ``device``'s type, not guessed: a CPU run on a machine with a GPU stays on gloo."""
+    Tied parameters (a GPT's token embedding and its output head share one weight) must be in one FSDP group;
+    ``fully_shard`` refuses the second module otherwise ("is shared with a parameter already managed by another
+    FSDP group"), so the modules that hold them are left to the root. The mesh is built for ``device``'s type, not
+    guessed: a CPU run on a machine with a GPU stays on gloo."""
     model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    chosen = list(units) if units is not None else [m for m in model.modules() if _owns_parameters(m, model)]
+    chosen = list(units) if units is not None else _own_units(model)
     for module in chosen:
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _owns_parameters(module: nn.Module, root: nn.Module) -> bool:
-    return module is not root and any(True for _ in module.parameters(recurse=False))
+def _own_units(root: nn.Module) -> list[nn.Module]:
+    """The submodules that own parameters themselves, less those owning a parameter another submodule owns too."""
+    modules = [m for m in root.modules() if m is not root]
+    holders = Counter(id(p) for m in modules for p in m.parameters(recurse=False))
+    return [
+        m
+        for m in modules
+        if any(True for _ in m.parameters(recurse=False))
+        and all(holders[id(p)] == 1 for p in m.parameters(recurse=False))
+    ]
 
 
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
