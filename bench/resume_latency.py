@@ -78,6 +78,30 @@ class Run:
         return flags + (["--storage_options", json.dumps(self.options)] if self.options else [])
 
 
+KILLED = "running server, local folder, after a SIGKILL"
+# What a SIGKILLed trainer leaves for its relaunch to meet: its claim and a lease renewed moments ago
+_HOLDER = """
+import sys, time
+from checkpointing import CheckpointStore
+from checkpointing.fencing import Lease
+store = CheckpointStore(sys.argv[1], sys.argv[2])
+Lease(store.fence, store.claim_generation(label="killed"), on_stop=lambda request: None).start()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def sigkill_a_holder(run: Run, env: dict) -> None:
+    """Claims the run in another process, which holds its lease as a trainer does, and SIGKILLs it."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, run.folder, run.name], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"holding":
+        proc.kill()
+        raise RuntimeError("the lease holder did not start")
+    proc.kill()
+    proc.wait(timeout=60)
+
+
 def _train_first(run: Run) -> None:
     """The checkpoint to resume from, trained in this process (against the running test server)."""
     from flows.train import TrainConfig, train
@@ -203,6 +227,8 @@ def main(argv: list[str]) -> None:
             "ephemeral server, local folder": (local, base_env),
             "running server, local folder": (local, server_env),
         }
+        killed = Run(scratch("resume-killed-"), {}, args, steps=2)
+        modes[KILLED] = (killed, server_env)
         if not a.no_s3:
             modes["running server, S3 (moto)"] = (Run(s3.fresh_bucket("bench-resume"), s3.options, args, 2), server_env)
         for run in {id(r): r for r, _ in modes.values()}.values():
@@ -211,6 +237,8 @@ def main(argv: list[str]) -> None:
         for rep in range(a.reps):
             for mode in rotated(list(modes), rep):
                 run, env = modes[mode]
+                if mode == KILLED:
+                    sigkill_a_holder(run, env)
                 times.setdefault(mode, []).append(relaunch(run, env))
     imports_total, packages = import_breakdown()
     _report(a, times, first_ephemeral, imports_total, packages, load)
