@@ -20,12 +20,15 @@ stream state holds is the stream's own business, as with ``num_workers=0``.
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from typing import Any
 
 import torch
 
 from training.config import ConfigError
+from training.distributed.processes import die_with
 from training.exceptions import DataError
 from training.position.worker_seeds import seed_generators
 
@@ -96,6 +99,7 @@ def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: in
             prefetch_factor=min(MAX_PREFETCH, max(2, -(-samples_per_step // num_workers))),
             snapshot_every_n_steps=1,  # every sample carries its worker's state: exact after any sample
             generator=torch.Generator().manual_seed(seed % 2**63),  # the base seed (SeededStream reseeds per sample)
+            worker_init_fn=functools.partial(die_with, os.getpid()),  # a forkserver's child: see processes.py
         )
 
 

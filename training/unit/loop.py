@@ -9,7 +9,9 @@ checkpoint there, and raises ``Preempted``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from checkpointing.commit.committer import PendingCommit
 from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
 from training.config import ConfigError, TrainConfig
+from training.distributed.processes import die_with
 from training.exceptions import InjectedFault
 from training.metrics.log import MetricLog, metrics_for
 from training.position.iterable import loader_workers
@@ -425,6 +428,7 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
             multiprocessing_context="forkserver",
             persistent_workers=True,
             generator=torch.Generator(),
+            worker_init_fn=functools.partial(die_with, os.getpid()),  # a forkserver's child: see processes.py
         )
         s.loader.batch_sampler.current = sampler
         return sampler, _timed_start(s.loader, config.num_workers, s.world.rank == 0)
