@@ -43,7 +43,7 @@ from pathlib import Path
 
 from deployments import postgres, private_paths
 from deployments.server_output import ServerOutput, relay
-from training.distributed.processes import die_with_parent_now
+from training.lifetimes import die_with_parent_now
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"

@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Iterator
 
 from training import preemption
-from training.distributed.processes import die_with_parent
+from training.lifetimes import die_with_parent
 
 log = logging.getLogger(__name__)
 PATIENCE = 600.0  # seconds a temporary server may take to answer while its process lives (a loaded machine)

@@ -49,8 +49,8 @@ from pydantic import BaseModel
 from checkpointing.commit.committer import INTERMEDIATE
 from tasks.trial_runner import RUNNERS
 from training.config import TrainConfig
-from training.distributed.processes import die_with_parent
 from training.exceptions import TrialDied, TrialFailed, TrialStopped
+from training.lifetimes import die_with_parent
 from training.recipe.loader import ALLOWED_ENV
 from training.run_states import PREEMPTED
 from training.start.store import open_store

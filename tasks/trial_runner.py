@@ -42,7 +42,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from training.distributed.processes import die_with_parent_now
+from training.lifetimes import die_with_parent_now
 
 DONE_MARK = "\x1esweep-runner-segment-done"  # the runner's last stderr line of a segment: "<mark> <exit code>"
 WARM_FLAG = "--warm"

@@ -1,4 +1,4 @@
-"""DataLoader workers of a SIGKILLed trainer do not outlive it (training/distributed/processes.py, ``die_with``).
+"""DataLoader workers of a SIGKILLed trainer do not outlive it (training/lifetimes.py, ``die_with``).
 
 The product's loaders start their workers through multiprocessing's forkserver; a worker is the forkserver's child,
 and the forkserver lives as long as any worker does, so PyTorch's own parent check never fires: every SIGKILLed
@@ -25,7 +25,7 @@ TRAINER = textwrap.dedent(
     import functools, os, sys, time
     import torch
     from torch.utils.data import DataLoader, Dataset
-    from training.distributed.processes import die_with
+    from training.lifetimes import die_with
 
     class Pids(Dataset):
         def __len__(self):

@@ -53,8 +53,8 @@ from training.config.machines import node_secret
 from training.distributed import nodes
 from training.distributed.deaths import MAX_LINES, verdict
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
-from training.distributed.processes import kill_group
 from training.exceptions import DistributedUnitError
+from training.lifetimes import kill_group
 from training.recipe.loader import resolve_recipe
 from training.unit.loop import UnitResult
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from checkpointing.io import confine
 from training.config import ConfigError, TrainConfig
 from training.distributed.nodes import node_environment, torchrun_command
-from training.distributed.processes import die_with_parent
+from training.lifetimes import die_with_parent
 from training.recipe.loader import ALLOWED_ENV
 
 FOLDER_ENV = "TRAIN_GANG_FOLDER"  # where a rank that fails writes what it raised (error-rank<r>.json)

@@ -32,8 +32,8 @@ from training.config.machines import node_address
 from training.config.trust import check_locations, confined_root_forms
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.distributed.nodes import NodeOffer
-from training.distributed.processes import kill_group
 from training.exceptions import NodeFailed
+from training.lifetimes import kill_group
 from training.recipe.loader import resolve_recipe
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from training.config import TrainConfig
 from training.distributed.errors import error_record
 from training.distributed.gang import ADDRESS_ENV, MAX_MESSAGE, TOKEN_ENV, Op
 from training.distributed.launcher import FOLDER_ENV
-from training.distributed.processes import die_with_parent_now
+from training.lifetimes import die_with_parent_now
 from training.unit.session import World
 
 logger = logging.getLogger(__name__)

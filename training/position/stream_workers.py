@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from training.config import ConfigError
-from training.distributed.processes import die_with
 from training.exceptions import DataError
+from training.lifetimes import die_with
 from training.position.worker_seeds import seed_generators
 
 MAX_NODES = 100_000  # values in one rank's saved loader state (a worker's stream state is a few dozen)

@@ -26,8 +26,8 @@ from checkpointing.commit.committer import PendingCommit
 from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
 from training.config import ConfigError, TrainConfig
-from training.distributed.processes import die_with
 from training.exceptions import InjectedFault
+from training.lifetimes import die_with
 from training.metrics.log import MetricLog, metrics_for
 from training.position.iterable import loader_workers
 from training.position.progress import crossed, ends_unit, is_complete, samples_left, unit_index
