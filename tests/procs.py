@@ -77,3 +77,17 @@ def wait_until(predicate, proc, what: str, timeout: float = 180, poll: float = 0
     while not predicate():
         assert proc.poll() is None and time.monotonic() < end, f"never saw {what} (TEST_TIME_SCALE scales the wait)"
         time.sleep(poll)
+
+
+def unmapped(paths: set[str]) -> set[str]:
+    """Of these /dev/shm paths, the ones no live process maps: a named semaphore whose every holder is gone (a process
+    group SIGKILLed with its resource tracker, which would have unlinked it)."""
+    mapped: set[str] = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "maps").read_text()
+            except OSError:
+                continue
+            mapped.update(line.split(maxsplit=5)[-1] for line in text.splitlines() if "/dev/shm/" in line)
+    return paths - mapped

@@ -7,6 +7,8 @@ the longer one for token shards."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import random
@@ -19,6 +21,7 @@ import pytest
 from tests.format_data import BLOCK, MDS_FIXTURES, MDS_SAMPLES, write_wds
 from tests.format_recipes import FORMAT_RECORDING
 from tests.integration.test_streaming_kill import launch
+from tests.procs import unmapped
 from tests.unit.test_data_formats import upload
 from tests.unit.test_sharded_data import consumed, keep_records
 
@@ -42,6 +45,19 @@ def command(
     ]  # fmt: skip
 
 
+@pytest.fixture
+def semaphores_of_killed_groups():
+    """Removes the named semaphores this test's kills leave in /dev/shm, and only those (new, and mapped by no live
+    process). The loaders' worker queues are made under the forkserver context, whose semaphore names stay until the
+    resource tracker unlinks them; a SIGKILL of the whole process group takes the tracker too (14 names a chain)."""
+    before = set(glob.glob("/dev/shm/sem.mp-*"))
+    yield
+    for path in unmapped(set(glob.glob("/dev/shm/sem.mp-*")) - before):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@pytest.mark.usefixtures("semaphores_of_killed_groups")
 @pytest.mark.parametrize("fmt,where,parallelism", [("mds", "s3", "ddp"), ("webdataset", "local", "fsdp")])
 def test_three_kills_with_world_and_batch_size_changes_feed_every_sample_once(
     request, tmp_path, monkeypatch, fmt, where, parallelism

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
+from tests.procs import alive
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds: Linux 5.3 and later")
 
@@ -47,14 +48,6 @@ TRAINER = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
 def _workers_after_a_sigkill(tmp_path, mode: str, wait: float) -> list[int]:
     """The worker pids still alive ``wait`` s after the trainer was SIGKILLed (sooner, once they have all gone)."""
     script = tmp_path / "trainer.py"
@@ -65,13 +58,13 @@ def _workers_after_a_sigkill(tmp_path, mode: str, wait: float) -> list[int]:
     )  # fmt: skip
     assert proc.stdout is not None
     workers = [int(pid) for pid in proc.stdout.readline().split()]
-    assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    assert len(workers) == 2 and all(alive(pid) for pid in workers)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.monotonic() + wait
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return [pid for pid in workers if _alive(pid)]
+    return [pid for pid in workers if alive(pid)]
 
 
 def test_the_workers_of_a_sigkilled_trainer_exit_with_it(tmp_path):
