@@ -213,19 +213,27 @@ def _time(value: object) -> float:
 _PROC = "/proc"
 
 
+def _here() -> dict[str, Any] | None:
+    """This process's machine, kernel boot, pid namespace and user: what a pid is read against. None without /proc."""
+    try:
+        with open(f"{_PROC}/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat(f"{_PROC}/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns, "uid": os.getuid()}
+
+
 def process_identity(pid: int) -> dict[str, Any] | None:
     """What tells this machine's process ``pid`` from any other: host, kernel boot, pid namespace, user and its
     start time (clock ticks since boot). None where ``/proc`` does not say (not Linux, or the process is gone)."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pidns = os.stat(f"{_PROC}/self/ns/pid").st_ino
-        start = _start_ticks(pid)
+        here, start = _here(), _start_ticks(pid)
     except OSError:
         return None
-    if start is None:
+    if here is None or start is None:
         return None
-    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns, "uid": os.getuid(), "pid": pid, "start": start}
+    return {**here, "pid": pid, "start": start}
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -247,17 +255,17 @@ def exited_here(lease: dict[str, Any]) -> bool:
     said = lease.get("process")
     if not isinstance(said, dict):
         return False
-    here = process_identity(os.getpid())
-    if here is None:
+    here = _here()
+    if here is None or any(said.get(key) != value for key, value in here.items()):
         return False
-    for key in ("host", "boot", "pidns", "uid"):
-        if said.get(key) != here[key]:
-            return False
     pid, start = said.get("pid"), said.get("start")
     if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INT for v in (pid, start)):
         return False
     assert isinstance(pid, int)
-    return pid != os.getpid() and _start_ticks(pid) != start
+    try:
+        return pid != os.getpid() and _start_ticks(pid) != start
+    except OSError:  # present but unreadable (permissions): not proof that it exited
+        return False
 
 
 class Lease:
