@@ -263,9 +263,15 @@ ALIVE_SECONDS = 5.0  # the reconciler waits GRACE_SECONDS (15) for one after a C
 
 class AttemptAlive:
     """While this attempt of a deployment run trains, emits ``training.attempt.alive`` every ``ALIVE_SECONDS``,
-    labelled with the run's ``run_count``: the reconciler (deployments/recovery.py) must tell this attempt (alive,
-    after a late Crashed report of the previous one) from an attempt that died, within seconds (Prefect's heartbeats
-    come every 30 s at the least). A no-op outside deployment runs."""
+    labelled with the run's id and ``run_count``: the reconciler (deployments/recovery.py) must tell this attempt
+    (alive, after a late Crashed report of the previous one, or between two of Prefect's heartbeats that arrive late)
+    from an attempt that died, within seconds (Prefect's heartbeats come every 30 s at the least).
+
+    Only the deployment's own flow run beats, since the reconciler watches that run: a subflow (retrain's train) has
+    an id and a ``run_count`` of its own, and its beats would speak for a run nobody watches. retrain beats for
+    itself; the train subflow inside it adds nothing. A no-op outside deployment runs."""
+
+    _beating = threading.Event()  # one per process: the deployment run's, entered first
 
     def __init__(self, interval: float = ALIVE_SECONDS):
         self.interval = interval
@@ -273,7 +279,10 @@ class AttemptAlive:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> AttemptAlive:
-        if is_deployment_run() and flow_run.id:
+        context = FlowRunContext.get()
+        own = context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
+        if own and flow_run.id and not AttemptAlive._beating.is_set():
+            AttemptAlive._beating.set()
             resource = {
                 "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
                 "prefect.run-count": str(flow_run_attempt()),
@@ -291,6 +300,7 @@ class AttemptAlive:
         self._done.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval * 2)
+            AttemptAlive._beating.clear()
 
     def _beat(self, resource: dict[str, str], related: list[dict[str, str]]) -> None:
         from prefect.events import emit_event

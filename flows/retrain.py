@@ -27,7 +27,7 @@ from checkpointing import validate_name
 from checkpointing.release import Release, ReleaseFile
 from flows import cli, ship_module_logs
 from flows.options import RetrainOptions
-from flows.restarts import end_dead_attempts, is_deployment_run
+from flows.restarts import AttemptAlive, end_dead_attempts, is_deployment_run
 from flows.train import TrainResult, check_restart_cap, refuse_storage_options_from_parameters, train
 from training.config import ConfigError, TrainConfig
 from training.config.trust import confine_locations, release_locations
@@ -94,7 +94,8 @@ def retrain(
         return tick(config, metric, higher_is_better, run_prefix)
     confine_locations(config)  # release.json too, read and written through no link, under the worker's roots
     try:
-        return tick(config, metric, higher_is_better, run_prefix)
+        with AttemptAlive():  # this run's sign of life every 5 s, which the reconciler reads (deployments/recovery.py)
+            return tick(config, metric, higher_is_better, run_prefix)
     finally:
         release_locations()
 

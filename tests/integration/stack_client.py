@@ -30,6 +30,7 @@ from prefect.states import Scheduled
 from checkpointing import CheckpointStore
 from deployments.automations import OBSOLETE, WINDOW_VARIABLE
 from deployments.stack import descendants
+from flows.restarts import ALIVE_EVENT
 from tests.conftest import ROOT
 
 SYNTHETIC = {
@@ -107,6 +108,40 @@ def task_run_states(stack, run_id: UUID) -> list[tuple[str, str, str]]:
     with client(stack) as c:
         runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
     return [(r.name, r.state.type.value, r.state.name) for r in runs if r.state is not None]
+
+
+def story(stack, run_id: UUID) -> str:
+    """What happened to a flow run and its subflow runs, for an assertion's message: each run's states in order (time,
+    type, name, message) and its parent task run."""
+    lines = []
+    with client(stack) as c:
+        children = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id]))
+        )
+        for run in [c.read_flow_run(run_id), *children]:
+            lines.append(f"flow run {run.name} ({run.id}), parent task run {run.parent_task_run_id}:")
+            for s in sorted(c.read_flow_run_states(run.id), key=lambda s: s.timestamp):
+                lines.append(f"  {s.timestamp:%H:%M:%S.%f} {s.type.value} {s.name}: {s.message or ''}")
+    return "\n".join(lines)
+
+
+def alive_attempts(stack, run_ids: list[UUID]) -> dict[str, set[str]]:
+    """The ``run_count`` labels of the ``training.attempt.alive`` events stored for each of these flow runs (by id)."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    wanted = EventFilter(
+        event=EventNameFilter(name=[ALIVE_EVENT]),
+        resource=EventResourceFilter(id=[f"prefect.flow-run.{run_id}" for run_id in run_ids]),
+    )
+    found: dict[str, set[str]] = {str(run_id): set() for run_id in run_ids}
+    with client(stack) as c:
+        page = c.read_events(filter=wanted, limit=50)  # the API allows no more a page
+        while True:
+            for event in page.events:
+                found[event.resource.id.removeprefix("prefect.flow-run.")].add(event.resource["prefect.run-count"])
+            if page.next_page is None:
+                return found
+            page = c.read_events_page(page.next_page)
 
 
 def logs_of(stack, run_id: UUID) -> str:

@@ -39,11 +39,13 @@ from deployments.stack import install_automations, worker_threads
 from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 from tests.integration.stack_client import (
     SYNTHETIC,
+    alive_attempts,
     artifact,
     checkpoints,
     client,
     flow_run_process,
     logs_containing,
+    logs_of,
     pause_config,
     prefect_cli,
     read_automations,
@@ -52,6 +54,7 @@ from tests.integration.stack_client import (
     scheduled_runs,
     start_run,
     state_names,
+    story,
     task_run_states,
     wait_for,
     wait_for_state,
@@ -280,7 +283,14 @@ def test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_check
     assert sorted((r.state.type.value, r.state.name) for r in children) == [
         ("COMPLETED", "Completed"),
         ("CRASHED", "AttemptDied"),
-    ], children
+    ], f"{story(prefect_stack, run_id)}\n{logs_of(prefect_stack, run_id)[-6000:]}"
+    # each attempt said it was alive as the deployment run, the one the reconciler watches (a late report or a late
+    # heartbeat over a live attempt is then no death), never as its train subflow, whose id nobody watches
+    ids = [run_id, *(r.id for r in children)]
+    deadline = time.monotonic() + 60  # events are stored a few seconds after they are sent
+    while (beats := alive_attempts(prefect_stack, ids))[str(run_id)] < {"1", "2"} and time.monotonic() < deadline:
+        time.sleep(1)
+    assert beats == {str(run_id): beats[str(run_id)] | {"1", "2"}} | {str(r.id): set() for r in children}, beats
     tasks = [t for r in (run_id, *(r.id for r in children)) for t in task_run_states(prefect_stack, r)]
     assert all(kind in ("COMPLETED", "CRASHED") for _, kind, _ in tasks), tasks
     assert f"{name}-unit-1" in [task for task, kind, state in tasks if (kind, state) == ("CRASHED", "AttemptDied")]
