@@ -13,10 +13,15 @@ backward: ``before_step`` makes the next ``optimizer.step()`` wait for it on the
    is done and the thread has rested (``UPLOAD_DUTY``). A snapshot taken ``must_upload`` (a unit's last, a
    preemption's) is always uploaded, in order and at once, and its ``PendingCommit`` reports it.
 
-Slots (at most three, allocated as needed, each the size of the state): the newest published one is never written
-(a kill during a copy leaves it whole), the one being uploaded is never written, the ones queued to upload
-are never written; a copy goes to any other. Three cover every case; two suffice when uploads keep pace. When all
-three are held, the copy waits for the upload (counted in the stall, and logged).
+Slots (at most three, each the size of the state) are made on a thread of their own (checkpointing/commit/slots.py),
+one at a time: the first as soon as the state's size is known (``prepare``, at a unit's start, while the first steps
+run), the next once a snapshot is published and no free one is left. The newest published one is never written (a
+kill during a copy leaves it whole), nor the one being uploaded, nor the ones queued to upload; a copy goes to any
+other. Three cover every case; two suffice when uploads keep pace. A snapshot whose free slot is still being made
+waits for it, as one waits when newest, uploading and queued snapshots hold all three (uploads lagging): never
+skipped, so the snapshots a run publishes do not depend on timing. The wait is counted apart from the copy (``Stats``,
+a unit's ``snapshot_wait_seconds_max``), and it is the allocation's remainder, not the whole: what training ran since
+the slot was asked for is time the training thread did not wait.
 
 Without the tier (turned off, or ``/dev/shm`` short or not private) the slots are private memory: the same copy,
 the same background commit, nothing that survives the process.
@@ -43,15 +48,14 @@ from checkpointing.commit.committer import (
     finish,
     with_network_weights,
 )
+from checkpointing.commit.slots import SlotPool, unpin_all
 from checkpointing.host_tier.tier import (
     MAX_SLOTS,
-    ROOT_ENV,
     TENSOR_MARK,
     HostTier,
     Record,
     Slot,
     TensorEntry,
-    TierUnavailable,
     checksum,
     layout,
     rebuild,
@@ -131,11 +135,30 @@ class _Job:
 
 @dataclass
 class Taken:
-    """What ``take`` gave back: the snapshot's commit (reported once uploaded, for ``must_upload``) and the stall."""
+    """What ``take`` gave back: the snapshot's commit (reported once uploaded, for ``must_upload``), the stall
+    (``seconds``), of which ``copy_seconds`` copying and ``waited`` waiting for a slot (being made, or held by
+    uploads that lag)."""
 
     pending: PendingCommit
     seconds: float
-    waited_for_upload: float = 0.0
+    copy_seconds: float = 0.0
+    waited: float = 0.0
+
+
+@dataclass
+class Stats:
+    """What snapshots cost the training thread, apart: copies and waits for a slot."""
+
+    taken: int = 0
+    waits: int = 0  # snapshots that waited for a slot
+    copy_seconds_max: float = 0.0
+    wait_seconds_max: float = 0.0
+
+    def add(self, taken: Taken) -> None:
+        self.taken += 1
+        self.waits += taken.waited > 0
+        self.copy_seconds_max = max(self.copy_seconds_max, taken.copy_seconds)
+        self.wait_seconds_max = max(self.wait_seconds_max, taken.waited)
 
 
 @dataclass
@@ -154,9 +177,9 @@ class SnapshotPipeline:
     """Snapshots of one run from one process (one rank). ``tier``: the host-memory tier, or None for private slots."""
 
     def __init__(self, store_uri: str, rank: int, tier: HostTier | None):
-        self.store_uri, self.rank, self.tier = store_uri, rank, tier
-        self._slots: dict[int, Slot] = {}
+        self.store_uri, self.rank = store_uri, rank
         self._lock = threading.Condition()
+        self.slots = SlotPool(tier, self._lock, self._warn)  # made on the snapshot-slots thread
         self._newest: _Job | None = None  # published, newest
         self._uploading: _Job | None = None
         self._queued: list[_Job] = []  # must upload, waiting for the upload thread (oldest first)
@@ -176,10 +199,11 @@ class SnapshotPipeline:
         self._copy_event: Any = None
         self._warned: set[str] = set()
         self.usage = Usage(shared=tier is not None, tier_path=tier.path if tier else "")
+        self.stats = Stats()  # the run's; a unit's figures are the Checkpointer's
         self._seq = 1 + max((r.seq for _, r in tier.records(rank)), default=0) if tier else 0
         # Buffers page-locked for CUDA are unregistered before their memory is unmapped, even when the pipeline is
         # dropped without close(): CUDA keeps the registration, and a new mapping at that address fails to register.
-        weakref.finalize(self, _unpin_all, self._slots)
+        weakref.finalize(self, unpin_all, self.slots.slots)
         self._held_by_tier = self._newest_on_disk() if tier else None
         self.copies_refused: str | None = None  # why this run's state cannot be copied into slots (``flatten``)
 
@@ -195,35 +219,63 @@ class SnapshotPipeline:
         network_weights: bool = False,
         claim: dict[str, Any] | None = None,
     ) -> Taken:
-        """Copies ``objects`` (file name -> object for ``torch.save``) into a slot and hands it to the background.
-        TypeError when the state holds tensors that cannot be copied this way (the caller commits it the old way)."""
+        """Copies ``objects`` (file name -> object for ``torch.save``) into a slot and hands it to the background,
+        waiting for a free slot first if none is ready (``Taken.waited``). TypeError when the state holds tensors that
+        cannot be copied this way (the caller commits it the old way)."""
         t0 = time.perf_counter()
         flat = flatten(objects)
         self._wait_published()
-        waited = 0.0
-        with self._lock:
-            index = self._free_slot()
-            while index is None:  # newest, uploading and queued hold all three: the upload must finish first
-                w0 = time.perf_counter()
-                self._lock.wait()
-                waited += time.perf_counter() - w0
-                index = self._free_slot()
-        if waited:
-            log.info("snapshot %s waited %.2fs for the upload before it (all %d slots held)", name, waited, MAX_SLOTS)
         entries, size = self._layout(flat.tensors)
-        slot = self._slot(index, size, pin=any(t.is_cuda for t in flat.tensors))
-        if self.tier is not None and slot.shared:
-            self.tier.invalidate(index)
-        event = self._copy(flat.tensors, self._targets(slot, entries), slot)
-        nbytes = sum(e.nbytes for e in entries)
-        pending = PendingCommit(name, terms.store.storage.uri(f"checkpoints/{name}"), nbytes, dict(terms.progress))
+        slot, waited = self._claim_slot(size, any(t.is_cuda for t in flat.tensors), name)
+        pending = PendingCommit(name, terms.store.storage.uri(f"checkpoints/{name}"), 0, dict(terms.progress))
         pending.metadata = dict(terms.metadata)
+        if self.tier is not None and slot.shared:
+            self.tier.invalidate(slot.index)
+        c0 = time.perf_counter()
+        event = self._copy(flat.tensors, self._targets(slot, entries), slot)
+        copied = time.perf_counter() - c0
+        pending.size_bytes = sum(e.nbytes for e in entries)
         job = _Job(slot, terms, name, entries, flat.tree, must_upload, network_weights, pending, claim or {})
         job.event, job.upload = event, upload
         with self._lock:
             job.seq, self._seq = self._seq, self._seq + 1
         self._publishing = self._publisher.submit(self._publish, job)
-        return Taken(pending, time.perf_counter() - t0, waited)
+        taken = Taken(pending, time.perf_counter() - t0, copied, waited)
+        self.stats.add(taken)
+        return taken
+
+    def prepare(self, objects: dict[str, Any]) -> None:
+        """Has the slot thread make the first slot for a state like ``objects`` now, while training runs, so that the
+        first snapshot finds it made (or waits only for the rest of its making). Called at each unit's start; once a
+        slot is made (or being made) it does nothing. A state that cannot be copied into slots is left to ``take``."""
+        try:
+            flat = flatten(objects)
+        except TypeError:
+            return
+        _, size = self._layout(flat.tensors)
+        with self._lock:
+            if not self._closed:
+                self._free_slot(size, any(t.is_cuda for t in flat.tensors))
+
+    def _claim_slot(self, size: int, pin: bool, name: str) -> tuple[Slot, float]:
+        """A free slot made for ``size`` bytes and the seconds waited for it: for the slot thread to finish making one
+        (asked for here if ``prepare`` did not, or for a state that grew), or, when uploads lag so far that newest,
+        uploading and queued snapshots hold all three slots, for an upload to end. Never skipped: a skip would make
+        the snapshots a run publishes, and what a kill loses, depend on how fast memory was reserved."""
+        waited = 0.0
+        with self._lock:
+            self.slots.take_failure()  # an older making's error: this snapshot asks again
+            slot = self._free_slot(size, pin)
+            while slot is None:
+                w0 = time.perf_counter()
+                self._lock.wait(1.0)
+                waited += time.perf_counter() - w0
+                if (failure := self.slots.take_failure()) is not None:
+                    raise failure  # its slot cannot be made (out of memory, say): the unit fails, as before
+                slot = self._free_slot(size, pin)
+        if waited > 0.05:
+            log.info("snapshot %s waited %.2fs for a free snapshot buffer", name, waited)
+        return slot, waited
 
     def submit(self, request: CommitRequest) -> PendingCommit:
         """Commits a checkpoint serialized on the training thread (``request.blobs``: a state that ``take`` refused)
@@ -291,61 +343,36 @@ class SnapshotPipeline:
         self._copy_event = event
         return event
 
-    def _free_slot(self) -> int | None:
+    def _free_slot(self, size: int, pin: bool) -> Slot | None:
+        """(lock held) A slot no snapshot holds, made for ``size`` bytes; the free ones not made yet are asked for."""
+        free = self._free_indices()
+        ready = [slot for i in free if (slot := self.slots.ready(i, size, pin)) is not None]
+        if not ready:
+            self.slots.want(free, size, pin)
+        self.usage.slots, self.usage.bytes, self.usage.pinned = (
+            len(self.slots.slots),
+            self.slots.nbytes,
+            self.slots.pinned,
+        )
+        self.usage.shared, self.usage.tier_path = self.tier is not None, self.tier.path if self.tier else ""
+        return ready[0] if ready else None
+
+    def _free_indices(self) -> list[int]:
+        """(lock held) The slots no snapshot holds: not the newest, the one uploading, the queued ones, nor the one a
+        dead process of this run left newest in the tier."""
         held = {j.slot.index for j in (self._newest, self._uploading, *self._queued) if j is not None and j.slot}
         if self._held_by_tier is not None:
             held.add(self._held_by_tier)
-        for index in range(MAX_SLOTS):
-            if index not in held:
-                return index
-        return None
+        return [i for i in range(MAX_SLOTS) if i not in held]
 
-    def _slot(self, index: int, size: int, pin: bool) -> Slot:
-        slot = self._slots.get(index)
-        if slot is not None and slot.size >= size:
-            return slot
-        if slot is not None:
-            self._unpin(slot)
-        size = size + size // 16  # room for a state that grows a little (an optimizer's lazily made buffers)
-        slot = None
-        if self.tier is not None:
-            try:
-                slot = self.tier.allocate(index, size)
-            except TierUnavailable as exc:
-                self._warn("tier", f"host-memory tier off for this run: {exc}; snapshots stay in private memory")
-                self.tier, self.usage.shared, self.usage.tier_path = None, False, ""
-        if slot is None:
-            slot = Slot.private(index, size)
-        if pin:
-            self._pin(slot)
-        self._slots[index] = slot
-        self.usage.slots, self.usage.bytes = len(self._slots), sum(s.size for s in self._slots.values())
-        return slot
+    @property
+    def tier(self) -> HostTier | None:
+        """The host-memory tier, or None (off, or turned off when it could not hold a slot: the slot thread's)."""
+        return self.slots.tier
 
-    def _pin(self, slot: Slot) -> None:
-        """Page-locks a slot for CUDA copies (cudaHostRegister), once; without it a copy from the GPU is synchronous."""
-        if not slot.pinnable:
-            self._warn(
-                "pin",
-                f"snapshot buffers on a {slot.filesystem or 'disk'} file system cannot be page-locked, so a copy from "
-                f"the GPU blocks training; put {ROOT_ENV} on a tmpfs (such as /dev/shm)",
-            )
-            return
-        ptr = torch.frombuffer(slot.buffer, dtype=torch.uint8).data_ptr()
-        code = torch.cuda.cudart().cudaHostRegister(ptr, slot.size, 0)
-        if int(code) != 0:
-            _absorb_cuda_error()
-            self._warn(
-                "pin",
-                f"page-locking {slot.size / 1e6:.0f} MB of snapshot buffers failed ({code}); a copy from the GPU "
-                f"blocks training",
-            )
-            return
-        slot.registered_ptr = ptr
-        self.usage.pinned = True
-
-    def _unpin(self, slot: Slot) -> None:
-        _unpin(slot)
+    @tier.setter
+    def tier(self, tier: HostTier | None) -> None:
+        self.slots.tier = tier
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -382,6 +409,7 @@ class SnapshotPipeline:
             else:
                 self._offered = job
             self._pump()
+            self._free_slot(self._layout_value[1], self._stream is not None)  # the next snapshot's, made meanwhile
             self._lock.notify_all()
 
     def _record(self, job: _Job) -> None:
@@ -539,9 +567,7 @@ class SnapshotPipeline:
                 self._timer.cancel()
         self._publisher.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
-        for slot in self._slots.values():
-            self._unpin(slot)
-        self._slots.clear()
+        self.slots.close()  # its thread ends, every slot is unpinned
         if self.tier is not None:
             self.tier.close()
 
@@ -563,24 +589,3 @@ def _commit_serialized(request: CommitRequest) -> CheckpointInfo:
         time.perf_counter() - t0,
     )
     return info
-
-
-def _unpin(slot: Slot) -> None:
-    if slot.registered_ptr is not None:
-        torch.cuda.cudart().cudaHostUnregister(slot.registered_ptr)
-        slot.registered_ptr = None
-
-
-def _unpin_all(slots: dict[int, Slot]) -> None:
-    for slot in slots.values():
-        _unpin(slot)
-
-
-def _absorb_cuda_error() -> None:
-    """A failed CUDA runtime call leaves its error to be reported by the next kernel launch, which would fail training
-    at some unrelated operation: launch one here and take the stale error (the launch check reads and clears it)."""
-    try:
-        torch.zeros(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
-    except RuntimeError as exc:
-        log.debug("cleared the error a failed page-lock left: %s", exc)

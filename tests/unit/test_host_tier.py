@@ -25,6 +25,7 @@ from checkpointing.manifest import Writer
 from training.exceptions import InjectedFault
 from training.run import Run, execute_unit
 from training.start import host_memory
+from training.sweep.study import TIMINGS  # the metrics that measure time (and skips), not training
 from training.unit.loop import run_unit
 from training.unit.warm import PROCESS
 
@@ -111,11 +112,8 @@ def test_a_copy_never_goes_into_the_newest_snapshot_so_a_kill_mid_copy_leaves_it
         take(pipeline, store, {"state.pt": {"w": torch.full((100,), float(step))}}, step, must_upload=step % 3 == 0)
         pipeline._wait_published()
         assert pipeline._newest.slot.index != before
-    assert len(pipeline._slots) <= 3
+    assert len(pipeline.slots.slots) <= 3
     pipeline.close()
-
-
-TIMINGS = {"train_seconds", "samples_per_second", "snapshot_seconds_max", "checkpoint_seconds"}
 
 
 def unit_figures(config) -> list[dict[str, float]]:

@@ -172,7 +172,16 @@ class Study:
 
 
 # A unit's metrics that measure time, not training: they differ between two runs of the same unit.
-TIMINGS = frozenset({"train_seconds", "samples_per_second", "snapshot_seconds_max", "checkpoint_seconds"})
+TIMINGS = frozenset(
+    {
+        "train_seconds",
+        "samples_per_second",
+        "snapshot_seconds_max",
+        "checkpoint_seconds",
+        "snapshot_copy_seconds_max",
+        "snapshot_wait_seconds_max",
+    }
+)
 
 
 def _without_timings(unit: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 from checkpointing import CheckpointStore, Writer, ranks
 from checkpointing.commit import committer as commits
 from checkpointing.commit.committer import INTERMEDIATE, Committer, CommitTerms, PendingCommit, Retention
-from checkpointing.commit.snapshots import SnapshotPipeline
+from checkpointing.commit.snapshots import SnapshotPipeline, Stats, Taken
 from checkpointing.host_tier.gc import claim_of, sweep_on_open
 from checkpointing.host_tier.tier import HostTier, TierUnavailable
 from checkpointing.names import checkpoint_name
@@ -70,6 +70,7 @@ class Checkpointer:
         self.snapshots = self._pipeline() if world.rank == 0 or self.sharded else None
         self._claim: dict[str, Any] | None = None
         self._run: dict[str, Any] | None = None  # what every manifest of the run says of it (``metadata``)
+        self._figures = Stats()  # this unit attempt's snapshots inside the unit (a Checkpointer lives one attempt)
 
     def save(self, s: Session, metrics: Mapping[str, float]) -> Saved:
         """A unit's checkpoint: the session's state bundle, its progress and every rank's RNG state. Every rank calls
@@ -115,10 +116,34 @@ class Checkpointer:
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True}
         self._hook(s)
         try:
-            return self._take(progress, objects, metadata, must_upload=False).seconds
+            return self._count(self._take(progress, objects, metadata, must_upload=False))
         except TypeError as exc:
             self._fall_back(exc)
             return None
+
+    def _count(self, taken: Taken) -> float:
+        self._figures.add(taken)
+        return taken.seconds
+
+    def snapshot_figures(self) -> dict[str, float]:
+        """What this attempt's snapshots inside the unit cost the training thread, apart from their whole stall
+        (``snapshot_seconds_max``): the longest copy and the longest wait for a buffer (being made in the background,
+        or held by uploads that lag)."""
+        f = self._figures
+        if not f.taken:
+            return {}
+        return {"snapshot_copy_seconds_max": f.copy_seconds_max, "snapshot_wait_seconds_max": f.wait_seconds_max}
+
+    def prepare(self, s: Session) -> None:
+        """At a unit's start: the snapshot pipeline starts making its first buffer for this state in the background,
+        while the unit's first steps run (a unit's checkpoint and its snapshots copy into it). A state the size of
+        the session's, every rank's RNG state beside it; FSDP's shards are sized by their first snapshot."""
+        if self.snapshots is None or not self._copies or self.sharded:
+            return
+        own = rng.capture()  # a stream's position beside it is small, and reading it may ask its workers
+        objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
+        objects.update({rng_file(r): own for r in range(self.world.size)})
+        self.snapshots.prepare(objects)
 
     def _snapshot_shards(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """parallelism='fsdp': this rank's shards, the small parts and its RNG state, into this machine's memory."""
@@ -135,7 +160,7 @@ class Checkpointer:
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True, "parallelism": "fsdp"}
         self._hook(s)
         try:
-            return self._take(progress, objects, metadata, must_upload=False, upload=False).seconds
+            return self._count(self._take(progress, objects, metadata, must_upload=False, upload=False))
         except TypeError as exc:
             self._fall_back(exc)
             return None
@@ -236,7 +261,7 @@ class Checkpointer:
         metadata: dict[str, Any],
         must_upload: bool,
         upload: bool = True,
-    ) -> Any:
+    ) -> Taken:
         assert self.snapshots is not None
         terms = CommitTerms(self.store, progress, self.writer, metadata, self.retention)
         # A snapshot inside a unit gets its store name when it is uploaded (naming reads the store); its record in host

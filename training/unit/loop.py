@@ -163,6 +163,7 @@ def _commit(
         p.step, {"unit/train_loss": metrics["train_loss"], "unit/samples_per_second": metrics["samples_per_second"]}
     )
     log.checkpoint(p.step)  # what was logged is on disk before the checkpoint that covers it exists
+    metrics = {**metrics, **checkpointer.snapshot_figures()}
     saved = checkpointer.save(s, metrics)
     pending, stall = saved.pending, saved.seconds
     log.checkpoint(p.step, pending.name, pending.uri)
@@ -257,6 +258,7 @@ def _train(
     figures = s.figures or UnitFigures(unit_start_samples=p.samples_seen)
     t = _Training(config, s, unit, attempt, checkpointer, log, figures, AttemptFigures(p.samples_seen))
     s.figures = None
+    checkpointer.prepare(s)  # the first snapshot buffer is made in the background while the first steps run
     stop = preemption.agreed_stop(s.world.size)  # asked during start-up: nothing trained, nothing to save
     while stop is None and not is_complete(p, config.duration):
         unit_over, stop = _epoch(t, epoch_size)
