@@ -94,7 +94,7 @@ def train_product(shape: Shape, folder: str, run_name: str) -> Run:
         result = run_unit(config, start_checkpoint=start, cache=cache)
         run.unit_seconds.append(time.perf_counter() - t0)
         run.checkpoint_seconds.append(result.metrics["checkpoint_seconds"])
-        run.losses.append(result.metrics["loss"])
+        run.losses.append(result.metrics["train_loss"])
         start = result.checkpoint_name
         if result.complete:
             break
