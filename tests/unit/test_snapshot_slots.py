@@ -75,29 +75,35 @@ def test_a_buffer_is_made_on_the_slot_thread_from_prepare_and_a_snapshot_waits_o
         pipeline.close()
 
 
-def test_a_run_starts_making_its_first_buffer_before_its_first_snapshot(make_config, train_run, monkeypatch):
-    """A run with a few MB of state and a snapshot every step, whose buffers take HOLD seconds to make once asked
-    for and the first snapshot began: the first buffer is asked for at the unit's start (before any snapshot), made on
-    the slot thread, and every snapshot is taken, the first one's wait counted apart (snapshot_wait_seconds_max)."""
+def test_a_run_asks_for_its_first_buffer_before_its_first_snapshot(make_config, train_run, monkeypatch):
+    """A run with a few MB of state and a snapshot every step, whose buffers take HOLD seconds to make once the first
+    snapshot began: the first buffer is asked for before any snapshot (after the first optimizer step, once Adam's
+    state exists, so it is sized for it: one making, never a second for a state that outgrew it), made on the slot
+    thread, and every snapshot is taken, the first one's wait counted apart (snapshot_wait_seconds_max)."""
     hold = 1.0
-    made: list[tuple[str, int]] = []  # (thread, snapshots begun when the making began)
+    events: list[str] = []  # in the order the training thread saw them
+    made: list[tuple[str, int]] = []  # (thread, slot index) of each making
     first_take = threading.Event()
-    real_allocate, real_take = HostTier.allocate, SnapshotPipeline.take
-    takes = [0]
+    real_allocate, real_take, real_prepare = HostTier.allocate, SnapshotPipeline.take, SnapshotPipeline.prepare
 
     def slow_allocate(tier, index, size):
-        made.append((threading.current_thread().name, takes[0]))
+        made.append((threading.current_thread().name, index))
         first_take.wait(10)
         time.sleep(hold)
         return real_allocate(tier, index, size)
 
     def counting_take(pipeline, *args, **kwargs):
-        takes[0] += 1
+        events.append("take")
         first_take.set()
         return real_take(pipeline, *args, **kwargs)
 
+    def noting_prepare(pipeline, objects):
+        real_prepare(pipeline, objects)
+        events.append(f"prepare (making {sorted(pipeline.slots.making)})")
+
     monkeypatch.setattr(HostTier, "allocate", slow_allocate)
     monkeypatch.setattr(SnapshotPipeline, "take", counting_take)
+    monkeypatch.setattr(SnapshotPipeline, "prepare", noting_prepare)
     config = make_config(
         recipe_args={"num_samples": 256, "hidden": 512, "num_layers": 4},  # ~4 MB of weights, ~12 MB with Adam's
         max_duration="2ep",
@@ -108,12 +114,14 @@ def test_a_run_starts_making_its_first_buffer_before_its_first_snapshot(make_con
     units = [i for i in CheckpointStore(config.save_folder, "r").list() if not i.manifest.metadata.get("within_unit")]
     metrics = [i.metrics for i in units]
     assert len(metrics) == 2 and all("snapshot_wait_seconds_max" in m for m in metrics)
-    assert made[0] == ("snapshot-slots_0", 0), made  # asked for before the first snapshot, made on the slot thread
+    assert events[:2] == ["prepare (making [0])", "take"], events[:5]  # asked for before the first snapshot
     assert all(thread.startswith("snapshot-slots") for thread, _ in made), made
+    indexes = [index for _, index in made]  # sized with Adam's state (after the first step): none made again larger
+    assert len(indexes) == len(set(indexes)) <= 3, made
     assert metrics[0]["snapshot_wait_seconds_max"] > 0  # the first snapshot waited for the rest of its making
     assert metrics[0]["snapshot_seconds_max"] >= metrics[0]["snapshot_wait_seconds_max"]
     steps = 256 // config.global_batch_size  # every step of both units took its snapshot: none was skipped
-    assert takes[0] == 2 * steps, (takes, steps)
+    assert events.count("take") == 2 * steps, (events, steps)
 
 
 @pytest.mark.parametrize("must_upload", [False, True])

@@ -136,27 +136,40 @@ class Checkpointer:
 
     def prepare(self, s: Session) -> None:
         """At a unit's start: the snapshot pipeline starts making its first buffer for this state in the background,
-        while the unit's first steps run (a unit's checkpoint and its snapshots copy into it). A state the size of
-        the session's, every rank's RNG state beside it; FSDP's shards are sized by their first snapshot."""
-        if self.snapshots is None or not self._copies or self.sharded:
+        while the unit's steps run (a unit's checkpoint and its snapshots copy into it). Sized by the state as it
+        is: an optimizer that makes its state at its first step (Adam's two buffers per parameter) is sized after
+        that step, not before, when the state is a third of its size. FSDP's shards only with ``snapshot_interval``
+        (its unit checkpoints do not copy into slots)."""
+        if self.snapshots is None or not self._copies or (self.sharded and self.config.snapshot_every is None):
             return
-        own = rng.capture()  # a stream's position beside it is small, and reading it may ask its workers
-        objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
-        objects.update({rng_file(r): own for r in range(self.world.size)})
+        if s.optimizer.state or not any(group["params"] for group in s.optimizer.param_groups):
+            self._prepare_now(s)
+            return
+        hooks: list[Any] = []
+
+        def after_first_step(*_: Any) -> None:
+            hooks.pop().remove()
+            self._prepare_now(s)
+
+        hooks.append(s.optimizer.register_step_post_hook(after_first_step))
+
+    def _prepare_now(self, s: Session) -> None:
+        if self.snapshots is None:  # the run finished meanwhile
+            return
+        if self.sharded:
+            objects = self._shard_objects(s, s.progress.as_dict())
+        else:  # every rank's RNG state beside the state; a stream's position is small, and reading it asks workers
+            own = rng.capture()
+            objects = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
+            objects.update({rng_file(r): own for r in range(self.world.size)})
         self.snapshots.prepare(objects)
 
     def _snapshot_shards(self, s: Session, metrics: Mapping[str, float]) -> float | None:
         """parallelism='fsdp': this rank's shards, the small parts and its RNG state, into this machine's memory."""
-        from training.unit import fsdp
-
         if not self._copies:
             return None
         progress = s.progress.as_dict()
-        objects = {
-            fsdp.SHARDS_FILE: fsdp.local_shards(s.model, s.optimizer),
-            fsdp.EXTRA_FILE: {**s.state.state_dict(SMALL), "progress": progress},
-            fsdp.rank_extra_file(self.world.rank): rng.capture(),  # not s.rng_state (the unit end's, as above)
-        }
+        objects = self._shard_objects(s, progress)
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True, "parallelism": "fsdp"}
         self._hook(s)
         try:
@@ -164,6 +177,16 @@ class Checkpointer:
         except TypeError as exc:
             self._fall_back(exc)
             return None
+
+    def _shard_objects(self, s: Session, progress: dict[str, Any]) -> dict[str, Any]:
+        """What a snapshot of this rank's FSDP shards copies: the shards, the small parts and its RNG state."""
+        from training.unit import fsdp
+
+        return {
+            fsdp.SHARDS_FILE: fsdp.local_shards(s.model, s.optimizer),
+            fsdp.EXTRA_FILE: {**s.state.state_dict(SMALL), "progress": progress},
+            fsdp.rank_extra_file(self.world.rank): rng.capture(),  # not s.rng_state (the unit end's, as above)
+        }
 
     def finish(self) -> None:
         """The run is complete: its last checkpoint committed, its snapshots leave this machine's memory."""
