@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Set
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -196,7 +197,7 @@ class LogRecorder(logging.Handler):
 
     def __init__(self, *names: str) -> None:
         super().__init__(level=logging.INFO)
-        self.records: list[tuple[float, str]] = []
+        self.records: list[tuple[float, float, str]] = []
         self._loggers = [logging.getLogger(n) for n in names]
 
     def __enter__(self) -> LogRecorder:
@@ -262,20 +263,21 @@ def cpu_by_thread_group() -> dict[str, float]:
     return out
 
 
-def children_cpu(exclude: set[int] = frozenset()) -> float:
+def children_cpu(exclude: Set[int] = frozenset()) -> float:
     """CPU seconds so far of this process's child processes (and theirs), except ``exclude`` and their children."""
     me, total = os.getpid(), 0.0
     parents: dict[int, int] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
     for pid in parents:
         if pid == me:
             continue
-        chain, p = set(), pid
+        chain: set[int] = set()
+        p = pid
         while p in parents and p != me and p not in chain:
             chain.add(p)
             p = parents[p]

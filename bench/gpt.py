@@ -27,7 +27,9 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from bench.common import (
     free_port,
@@ -133,9 +135,9 @@ def train_bare(shape: Shape, nanogpt_batches: bool = False) -> Run:
                 [tokens[i + 1 : i + 1 + block] for i in ix]
             )
 
-        batches = (get_batch() for _ in iter(int, 1))
+        batches: Iterator[Any] = (get_batch() for _ in iter(int, 1))
     else:
-        sampler = ResumableBatchSampler(len(data), shape.global_batch_size, seed=shape.seed, epoch=0,
+        sampler = ResumableBatchSampler(len(cast(Sized, data)), shape.global_batch_size, seed=shape.seed, epoch=0,
                                         micro_batches=accum)  # fmt: skip
         batches = iter(DataLoader(data, batch_sampler=sampler, generator=torch.Generator().manual_seed(0)))
     model.train()
@@ -189,7 +191,7 @@ def timed_process(cmd: list[str], env: dict[str, str]) -> tuple[float, float, fl
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {out.returncode}: {out.stderr[-2000:]}")
-    marks = {}
+    marks: dict[str, float] = {}
     for line in (out.stdout + out.stderr).splitlines():
         if m := _TS.match(line):
             day = datetime.datetime.fromtimestamp(start).date()

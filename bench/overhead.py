@@ -16,7 +16,6 @@ the flow's start and end (server calls, final upload wait, final evaluation) are
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import shutil
@@ -24,7 +23,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from bench import prototypes
 from bench.common import (
     OUT,
     LocalS3,
@@ -49,10 +47,8 @@ LABELS = {
     "plain": "plain PyTorch loop",
     "local": "flow, local folder (sync: the default)",
     "local-async": "flow, local folder, async_upload=True",
-    "local-prototype": "flow, local folder, with bench/prototypes.py",
     "s3-sync": "flow, S3 over HTTP, sync",
     "s3-async": "flow, S3 over HTTP, async (the default for s3://)",
-    "s3-async-prototype": "flow, S3 over HTTP, async, with bench/prototypes.py",
 }
 SEED = 1
 
@@ -119,8 +115,7 @@ def run_flow(variant: str, s3: LocalS3, shape: Shape) -> FlowRun:
 
     config = _config(variant, s3, shape)
     PROCESS.forget()  # each run starts cold, as a new run does
-    patches = prototypes.applied() if variant.endswith("prototype") else contextlib.nullcontext()
-    with patches, LogRecorder("prefect.task_runs", "prefect.flow_runs", "checkpointing.uploader") as log:
+    with LogRecorder("prefect.task_runs", "prefect.flow_runs", "checkpointing.uploader") as log:
         cpu_before = cpu_snapshot(s3)
         t_call = time.time()
         result = train(config)

@@ -8,7 +8,9 @@ steps, so its per-unit mean losses equal the flow's: a check that both train the
 from __future__ import annotations
 
 import time
+from collections.abc import Sized
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -41,7 +43,7 @@ def train_plain(recipe_args: dict, batch_size: int, seed: int, num_units: int, s
     run = PlainRun(build_seconds=time.perf_counter() - t0)
     epoch, losses, t_unit, cpu_unit = 0, [], time.perf_counter(), time.process_time()
     while len(run.unit_seconds) < num_units:
-        sampler = ResumableBatchSampler(len(data), batch_size, seed=seed, epoch=epoch)
+        sampler = ResumableBatchSampler(len(cast(Sized, data)), batch_size, seed=seed, epoch=epoch)
         # A generator of its own, as the product passes: else the loader draws its seed from the global RNG.
         for batch in DataLoader(data, batch_sampler=sampler, generator=torch.Generator().manual_seed(epoch)):
             optimizer.zero_grad(set_to_none=True)
@@ -68,7 +70,8 @@ def seconds_per_step(recipe_args: dict, batch_size: int, steps: int = 3) -> floa
     data = recipe.train_dataset()
     model = recipe.build_model()
     optimizer = recipe.build_optimizer(model)
-    batches = iter(DataLoader(data, batch_sampler=ResumableBatchSampler(len(data), batch_size, seed=0, epoch=0)))
+    sampler = ResumableBatchSampler(len(cast(Sized, data)), batch_size, seed=0, epoch=0)
+    batches = iter(DataLoader(data, batch_sampler=sampler))
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()

@@ -60,13 +60,14 @@ def child_rss(variant: str, folder: str, hidden: int, layers: int) -> dict:
     gc.collect()
     with_state = _kib("VmRSS")
     _reset_peak()
-    t0, args = time.perf_counter(), dict(progress={"samples_seen": 1}, writer=Writer.current(1))
+    t0, position, writer = time.perf_counter(), {"samples_seen": 1}, Writer.current(1)
     if variant == "today":
-        store.save("c", objects, **args)
+        store.save("c", objects, progress=position, writer=writer)
     elif variant == "streaming":
-        save_streaming(store, "c", objects, **args)
+        save_streaming(store, "c", objects, progress=position, writer=writer)
     else:
-        sharded.save_state(store, "c", objects["state.pt"], files={"rng-rank0.pt": objects["rng-rank0.pt"]}, **args)
+        rng_file = {"rng-rank0.pt": objects["rng-rank0.pt"]}
+        sharded.save_state(store, "c", objects["state.pt"], files=rng_file, progress=position, writer=writer)
     seconds = time.perf_counter() - t0
     peak = _kib("VmHWM")
     return {

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+from torch.utils.data import DataLoader, Dataset
+
 from bench.common import load_average, median, parser, record, rotated
 from training.position.sampler import ResumableBatchSampler, epoch_order
 
@@ -24,15 +26,13 @@ def _first_batch(epoch_size: int, start: int, batch: int) -> float:
 def _unit_loop_first_batch(epoch_size: int, start: int, batch: int) -> float:
     """The first batch as a unit of training/unit/loop.py takes it: ``zip(sampler.shares(), loader)``, where the
     loader iterates the same sampler (so the epoch's order is built twice)."""
-    from torch.utils.data import DataLoader
-
     sampler = ResumableBatchSampler(epoch_size, batch, seed=1, epoch=3, start=start)
     t0 = time.perf_counter()
     next(iter(zip(sampler.shares(), DataLoader(_Ids(), batch_sampler=sampler), strict=False)))
     return time.perf_counter() - t0
 
 
-class _Ids:
+class _Ids(Dataset[int]):
     """A dataset whose sample i is i: loading costs nothing, only the order is measured."""
 
     def __getitem__(self, i: int) -> int:

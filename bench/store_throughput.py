@@ -18,7 +18,6 @@ import uuid
 import fsspec
 import torch
 
-from bench import prototypes
 from bench.common import OUT, LocalS3, load_average, local_s3, median, parser, record, rotated, scratch
 from bench.plain import parameter_bytes
 from checkpointing import CheckpointStore, Writer
@@ -65,7 +64,6 @@ def _pairs(
     blobs: dict[str, bytes],
     reps: int,
     first_rep: int = 0,
-    prototype: bool = False,
 ) -> dict[str, list]:
     fs, root = fsspec.core.url_to_fs(folder, **(options or {}))
     root = root.rstrip("/")
@@ -88,24 +86,14 @@ def _pairs(
             for f in FILES:
                 torch.load(io.BytesIO(fs.cat_file(f"{raw}/a/{f}")), map_location="cpu", weights_only=True)
 
-        def prototype_save():
-            with prototypes.applied():
-                store.save("p", objects, progress=progress, writer=writer)
-
-        def prototype_load():
-            with prototypes.applied():
-                store.load_latest(FILES)
-
         storage = Storage(store.uri, options)
         steps = {
-            "save": [("store", lambda: store.save("a", objects, progress=progress, writer=writer)), ("raw", raw_save)]
-            + ([("prototype", prototype_save)] if prototype else []),
+            "save": [("store", lambda: store.save("a", objects, progress=progress, writer=writer)), ("raw", raw_save)],
             "commit": [
                 ("store", lambda: store.commit("b", blobs, progress=progress, writer=writer)),
                 ("raw", lambda: [fs.pipe_file(f"{raw}/b/{f}", b) for f, b in blobs.items()]),
             ],
-            "load": [("store", lambda: store.load_latest(FILES)), ("raw", raw_load)]
-            + ([("prototype", prototype_load)] if prototype else []),
+            "load": [("store", lambda: store.load_latest(FILES)), ("raw", raw_load)],
             "read": [
                 ("store", lambda: storage.get_hashed(f"checkpoints/b/{STATE_FILE}")),
                 ("raw", lambda: fs.cat_file(f"{raw}/b/{STATE_FILE}")),
@@ -145,20 +133,15 @@ def main(argv: list[str]) -> None:
     p.add_argument("--reps", type=int, default=3, help="alternating repetitions, median reported")
     p.add_argument("--no-s3", action="store_true", help="local folder only")
     p.add_argument("--profile", action="store_true", help="also profile one local save + load (bench/out/)")
-    p.add_argument(
-        "--prototype",
-        action="store_true",
-        help="also time save and load with the changes suggested in bench/prototypes.py swapped in",
-    )
     a = p.parse_args(argv)
     load = load_average()
     objects = checkpoint_objects(a.hidden, a.layers)
     blobs = serialize(objects)
     size = sum(len(b) for b in blobs.values())
-    results = {"local folder": _pairs(scratch("store-"), None, objects, blobs, a.reps, prototype=a.prototype)}
+    results = {"local folder": _pairs(scratch("store-"), None, objects, blobs, a.reps)}
     if not a.no_s3:
         with local_s3() as s3:
-            results["S3 over HTTP (moto)"] = _s3_pairs(s3, objects, blobs, a.reps, a.prototype)
+            results["S3 over HTTP (moto)"] = _s3_pairs(s3, objects, blobs, a.reps)
     profile = _profile(scratch("store-prof-"), objects) if a.profile else ""
     lines = [
         f"Checkpoint: the state of the synthetic MLP hidden {a.hidden} x {a.layers} "
@@ -183,13 +166,6 @@ def main(argv: list[str]) -> None:
                 f"| {label} | {desc} | {st:.3f} | {rw:.3f} | {rw / st:.2f} | "
                 f"{'met' if rw / st >= 0.9 else 'missed'} | {cpu} |"
             )
-            if f"{what} prototype" in r:
-                pt = median(r[f"{what} prototype"])
-                lines.append(
-                    f"| {label} | {what}, prototype (bench/prototypes.py) | {pt:.3f} | {rw:.3f} | "
-                    f"{rw / pt:.2f} | {'met' if rw / pt >= 0.9 else 'missed'} | "
-                    f"{median(r[f'{what} prototype cpu']):.2f} / {median(r[f'{what} raw cpu']):.2f} |"
-                )
     lines += [
         "",
         "moto's S3 server runs in a child process on the same 2 cores; its own speed (~30-50 MB/s put) "
@@ -202,12 +178,10 @@ def main(argv: list[str]) -> None:
     record("Store throughput (goal: ratio >= 0.9)", lines, load)
 
 
-def _s3_pairs(s3: LocalS3, objects: dict, blobs: dict[str, bytes], reps: int, prototype: bool) -> dict[str, list]:
+def _s3_pairs(s3: LocalS3, objects: dict, blobs: dict[str, bytes], reps: int) -> dict[str, list]:
     out: dict[str, list] = {}
     for rep in range(reps):  # a fresh bucket per repetition keeps moto's memory bounded
-        r = _pairs(
-            s3.fresh_bucket(f"bench-store-{rep}"), s3.options, objects, blobs, 1, first_rep=rep, prototype=prototype
-        )
+        r = _pairs(s3.fresh_bucket(f"bench-store-{rep}"), s3.options, objects, blobs, 1, first_rep=rep)
         for k, v in r.items():
             out.setdefault(k, []).extend(v)
     return out

@@ -33,7 +33,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.common import load_average, median, parser, progress, record, rotated, scratch, spread
 
@@ -119,7 +119,7 @@ def ray_trainable(config: dict[str, Any]) -> None:
     from ray import tune
     from torch.utils.data import DataLoader
 
-    from recipes.digits import DigitsRecipe
+    from recipes.digits import DigitsRecipe, _Digits
 
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
@@ -135,7 +135,7 @@ def ray_trainable(config: dict[str, Any]) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = state["epoch"]
-    train, val = recipe.train_dataset(), recipe.eval_dataset()
+    train, val = recipe.train_dataset(), cast(_Digits, recipe.eval_dataset())  # its tensors, for one batch
     for epoch in range(start, EPOCHS):
         loader = DataLoader(
             train, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(SEED + epoch)

@@ -54,7 +54,8 @@ def from_junit(path: Path) -> dict[str, float]:
 def replay(files: dict[str, list[float]], order: list[str], workers: int) -> list[float]:
     """When each worker would end, giving whole files in ``order`` as xdist's loadfile does: two to each worker at
     the start, one more to a worker with 2 or fewer tests pending (xdist/scheduler/loadscope.py)."""
-    queue, pending, clock = list(order), [[] for _ in range(workers)], [0.0] * workers
+    pending: list[list[float]] = [[] for _ in range(workers)]
+    queue, clock = list(order), [0.0] * workers
     for _ in range(2):
         for w in range(workers):
             if queue and len(pending[w]) <= 2:

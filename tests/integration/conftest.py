@@ -89,6 +89,7 @@ class RunningStack:
 
     def kill_worker_machine(self) -> list[int]:
         """SIGKILLs the worker and every process below it at once: nothing is left to report anything."""
+        assert self.worker is not None, "no worker was started"
         pids = [self.worker.pid, *stacks.descendants(self.worker.pid)]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)

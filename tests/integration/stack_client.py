@@ -24,7 +24,7 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
-from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.objects import FlowRun, State, StateType
 from prefect.states import Scheduled
 
 from checkpointing import CheckpointStore
@@ -61,13 +61,15 @@ def prefect_cli(stack, *args: str, timeout: float = 300) -> subprocess.Completed
 
 
 def run_id_from(output: str) -> UUID:
-    return UUID(re.search(r"UUID: ([0-9a-f-]{36})", output).group(1))
+    found = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    assert found is not None, f"no flow run UUID in: {output}"
+    return UUID(found.group(1))
 
 
 def start_run(stack, deployment: str, parameters: dict, scheduled: datetime | None = None) -> UUID:
     with client(stack) as c:
         dep = c.read_deployment_by_name(deployment)
-        state = Scheduled(scheduled_time=scheduled) if scheduled else None
+        state: State | None = Scheduled(scheduled_time=scheduled) if scheduled else None
         return c.create_flow_run_from_deployment(dep.id, parameters=parameters, state=state).id
 
 
@@ -91,6 +93,7 @@ def wait_for_state(stack, run_id: UUID, state: StateType, timeout: float = 240) 
 
     def reached():
         run = read_run(stack, run_id)
+        assert run.state is not None, f"flow run {run_id} has no state"
         if run.state.type in other_ends:
             raise AssertionError(f"flow run {run_id} ended {run.state.name}: {run.state.message}")
         return run if run.state.type == state else None
@@ -98,12 +101,12 @@ def wait_for_state(stack, run_id: UUID, state: StateType, timeout: float = 240) 
     return wait_for(reached, timeout, f"flow run {run_id} to be {state.value}")
 
 
-def state_names(stack, run_id: UUID) -> list[str]:
+def state_names(stack, run_id: UUID) -> list[str | None]:
     with client(stack) as c:
         return [s.name for s in c.read_flow_run_states(run_id)]
 
 
-def task_run_states(stack, run_id: UUID) -> list[tuple[str, str, str]]:
+def task_run_states(stack, run_id: UUID) -> list[tuple[str, str, str | None]]:
     """(task run name, state type, state name) of every task run of flow run ``run_id``, all its attempts."""
     with client(stack) as c:
         runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
@@ -141,7 +144,7 @@ def alive_attempts(stack, run_ids: list[UUID]) -> dict[str, set[str]]:
                 found[event.resource.id.removeprefix("prefect.flow-run.")].add(event.resource["prefect.run-count"])
             if page.next_page is None:
                 return found
-            page = c.read_events_page(page.next_page)
+            page = c.read_events_page(str(page.next_page))  # what the client does with it
 
 
 def logs_of(stack, run_id: UUID) -> str:

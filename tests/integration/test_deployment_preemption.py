@@ -60,6 +60,7 @@ def paced(folder: Path, run_name: str, record: Path) -> dict:
 def model_of(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     store = CheckpointStore(str(folder), run_name)
     info = store.latest(deep=True)
+    assert info is not None, f"no good checkpoint of {run_name} in {folder}"
     return store.load(info, files=[STATE_FILE]).objects[STATE_FILE]["state"]["model"]
 
 
@@ -172,9 +173,14 @@ def test_a_machine_shutdown_stopping_worker_and_flow_run_together_leaves_the_run
     os.kill(victim, signal.SIGTERM)
 
     assert worker.wait(timeout=90) == 0  # the worker let the preemption finish, then stopped
-    run = wait_for(lambda: (r := read_run(prefect_stack, run_id)).state.name == "Preempted" and r, 30, "Preempted")
+    run = wait_for(
+        lambda: (r := read_run(prefect_stack, run_id)).state is not None and r.state.name == "Preempted" and r,
+        30,
+        "Preempted",
+    )
     assert run.state.type == StateType.SCHEDULED, run.state
     info = CheckpointStore(str(folder), "p").latest(deep=True)
+    assert info is not None
     assert info.progress["step"] == batches(record) and info.progress["step"] % 4 != 0  # at the step, in the unit
     # No worker, no heartbeat: the stack's reconciler (on a machine still up) must not call it a crash
     reconciler = stacks.start_recovery(prefect_stack.stack, tmp_path / "recovery.log")
@@ -184,6 +190,7 @@ def test_a_machine_shutdown_stopping_worker_and_flow_run_together_leaves_the_run
     finally:
         stacks.stop(reconciler)
     run = read_run(prefect_stack, run_id)
+    assert run.state is not None
     assert (run.state.type, run.state.name) == (StateType.SCHEDULED, "Preempted"), run.state
     assert "Crashed" not in state_names(prefect_stack, run_id)
 
