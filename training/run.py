@@ -194,11 +194,16 @@ class Run:
         self.close()
 
     def close(self) -> None:
-        """Releases the run for the next attempt (at once, rather than when the lease goes stale)."""
+        """Ends what this attempt started, on every path (completed, failed, preempted): its rank processes, its
+        snapshot engine (the uploads still owed land first, under the lease, then its threads end and its buffers go
+        back to the machine; the host-memory tier's files stay for a relaunch here), and releases the run for the next
+        attempt (at once, rather than when the lease goes stale)."""
         from training.distributed.gang import close_gangs
 
         try:
             close_gangs()  # the rank processes of this attempt, if any
+            PROCESS.committer.drop_snapshots()  # after a completed run's finish(): nothing left to do
+            close_run(self.store)  # its TensorBoard writer (file and thread); MLflow's run stays open for the next
             if self.lease is not None:
                 self.lease.release()
         finally:
