@@ -1,7 +1,8 @@
 """MDS (as MDSWriter writes it) and WebDataset tars (as webdataset.ShardWriter writes them) trained by real processes
 that are really SIGKILLed (the process group: every rank) at a random step three times, each relaunch with another
 world size, global batch size and number of DataLoader workers (2 ranks x 32, no workers -> 1 x 48, 2 workers -> 2 x
-16, 1 worker each -> 1 x 48): each sample is fed exactly once in the epoch, read back from the data itself. One
+16, 1 worker each -> 1 x 48): each sample is fed exactly once in the epoch, read back from the data itself, and
+each step gets the samples the epoch's order puts at its data position, as an uninterrupted run would. One
 scenario per format (MDS on S3 over HTTP, WebDataset on a local folder); tests/integration/test_streaming_kill.py runs
 the longer one for token shards."""
 
@@ -19,11 +20,11 @@ import sys
 import pytest
 
 from tests.format_data import BLOCK, MDS_FIXTURES, MDS_SAMPLES, write_wds
-from tests.format_recipes import FORMAT_RECORDING
+from tests.format_recipes import FORMAT_RECORDING, TokenColumn
 from tests.integration.test_streaming_kill import launch
 from tests.procs import unmapped
 from tests.unit.test_data_formats import upload
-from tests.unit.test_sharded_data import consumed, keep_records
+from tests.unit.test_sharded_data import consumed, fed_batches, keep_records
 
 pytestmark = pytest.mark.slow
 N = MDS_SAMPLES
@@ -84,3 +85,8 @@ def test_three_kills_with_world_and_batch_size_changes_feed_every_sample_once(
     assert codes == [-signal.SIGKILL] * 3 + [0]  # three kills, each before the epoch's end, then the run completes
     assert [len(list(launch.glob("read-rank*.txt"))) for launch in launches[:3]] == [2, 1, 2]  # each killed mid-run
     assert sorted(fed) == list(range(N))  # each sample exactly once in the epoch, across the kills and the changes
+    # ... and in the epoch's own order: each step got the samples at its data position in the order an uninterrupted
+    # run of any world and batch size walks (the dataset's windowed shuffle for seed 11, epoch 0)
+    order = TokenColumn(str(tmp_path / "source"), fmt).epoch_order(seed=11, epoch=0)
+    for position, ids in fed_batches(launches):
+        assert ids == sorted(int(i) for i in order[position : position + len(ids)]), position

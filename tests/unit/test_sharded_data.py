@@ -46,7 +46,12 @@ def gpt_args(url: str, record_dir, **extra) -> dict:
 def consumed(record_dirs) -> list[int]:
     """The ids training was fed, in the order of the run's data position, from one record folder per launch: a later
     launch's records replace an earlier one's from the position where it resumed (what a killed launch trained past
-    its last checkpoint is trained again)."""
+    its last checkpoint is trained again). Within one step (a global batch) sorted."""
+    return [i for _, ids in fed_batches(record_dirs) for i in ids]
+
+
+def fed_batches(record_dirs) -> list[tuple[int, list[int]]]:
+    """(data position, the global batch's ids, sorted) of each step training was fed, as ``consumed`` reads them."""
     history: dict[int, list[int]] = {}
     for folder in record_dirs:
         launch: dict[int, list[int]] = {}
@@ -59,7 +64,7 @@ def consumed(record_dirs) -> list[int]:
     ordered, expected = [], 0
     for position in sorted(history):
         assert position == expected, f"a gap or overlap in the data position at {position} (expected {expected})"
-        ordered += sorted(history[position])
+        ordered.append((position, sorted(history[position])))
         expected += len(history[position])
     return ordered
 
