@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import ROOT, SHARD_RECORDING, deadline, seeds
 from tests.shard_data import BLOCK, SAMPLES, write_token_shards
-from tests.unit.test_sharded_data import consumed, keep_records
+from tests.unit.test_sharded_data import consumed, fed_batches, keep_records
+from training.data import ShardedDataset
 
 pytestmark = pytest.mark.slow
 N = sum(SAMPLES)
@@ -77,3 +78,9 @@ def test_kills_with_world_and_batch_size_changes_feed_every_sample_once_per_epoc
     fed = consumed(launches)
     assert len(fed) == 2 * N
     assert sorted(fed[:N]) == sorted(fed[N:]) == list(range(N))  # each sample exactly once per epoch
+    # ... and in each epoch's own order: each step got the samples the epoch's windowed shuffle puts at its position
+    data = ShardedDataset(url, "tokens", block_size=BLOCK, storage_options=options, vocab_size=512)
+    orders = [data.epoch_order(seed=11, epoch=epoch) for epoch in (0, 1)]
+    for position, ids in fed_batches(launches):
+        epoch, at = divmod(position, N)
+        assert ids == sorted(int(i) for i in orders[epoch][at : at + len(ids)]), position
