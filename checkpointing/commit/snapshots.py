@@ -317,10 +317,16 @@ class SnapshotPipeline:
         return cached[2]
 
     def before_step(self) -> None:
-        """Called before ``optimizer.step()``: the GPU waits for the snapshot copy of the parameters it will change."""
+        """Called before ``optimizer.step()``. On the GPU, the step waits (on the device, not the host) for the
+        snapshot copy of the parameters it will change. On the CPU, the host waits for the snapshot before it to be
+        published (checksummed and recorded), which the next snapshot waits for anyway: a step never completes while
+        the snapshot before it is unpublished, so a kill loses at most the step in progress, however slowly a loaded
+        machine publishes (a kill after step N's line, with N-1 still publishing, resumed at N-2)."""
         event, self._copy_event = self._copy_event, None
         if event is not None:
             torch.cuda.current_stream(self._stream.device).wait_event(event)
+        elif self._stream is None:
+            self._wait_published()
 
     @torch.no_grad()
     def _copy(self, sources: list[torch.Tensor], targets: list[torch.Tensor], slot: Slot) -> Any:

@@ -57,6 +57,31 @@ def take(pipeline: SnapshotPipeline, store: CheckpointStore, objects: dict, step
     return pipeline.take(objects, terms, store.name_for(progress, 0), must_upload=must_upload)
 
 
+def test_on_the_cpu_a_step_waits_for_the_snapshot_before_it_to_be_published(tmp_path, monkeypatch):
+    """A kill loses at most the step in progress: the optimizer step after a snapshot (before_step) returns only once
+    that snapshot is published, however long its checksum and record take (held here on an event)."""
+    import threading
+
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    pipeline = SnapshotPipeline(store.uri, 0, HostTier(store.uri))
+    gate, real_record = threading.Event(), SnapshotPipeline._record
+    monkeypatch.setattr(SnapshotPipeline, "_record", lambda self, job: (gate.wait(60), real_record(self, job)))
+    try:
+        take(pipeline, store, {"state.pt": {"w": torch.ones(100)}}, 1, must_upload=False)
+        step = threading.Thread(target=pipeline.before_step)
+        step.start()
+        step.join(0.5)
+        assert step.is_alive()  # the snapshot of step 1 is not published yet: step 2 does not change the weights
+        assert pipeline._newest is None
+        gate.set()
+        step.join(60)
+        assert not step.is_alive() and pipeline._newest is not None and pipeline._newest.name == "ep0-ba1-sa32"
+        pipeline.before_step()  # nothing in publication: returns at once
+    finally:
+        gate.set()
+        pipeline.close()
+
+
 def test_a_snapshot_reaches_the_tier_and_the_store_whole_with_tied_tensors_saved_once(tmp_path):
     store = CheckpointStore(str(tmp_path / "runs"), "r")
     tier = HostTier(store.uri)

@@ -311,11 +311,16 @@ class Checkpointer:
         return pipeline
 
     def _hook(self, s: Session) -> None:
-        """The next ``optimizer.step()`` waits (on the GPU) for a snapshot's copy of what it changes."""
+        """The next ``optimizer.step()`` waits for a snapshot: on the GPU for its copy of what it changes, on the CPU
+        for its publication (``SnapshotPipeline.before_step``). One hook per optimizer: a new pipeline's replaces an
+        old one's (a warm session outlives a run)."""
         pipeline = self.snapshots
-        if pipeline is None or s.device.type != "cuda" or getattr(s.optimizer, "_snapshot_hooked", None) is pipeline:
+        if pipeline is None or getattr(s.optimizer, "_snapshot_hooked", None) is pipeline:
             return
-        s.optimizer.register_step_pre_hook(lambda *_: pipeline.before_step())
+        old = getattr(s.optimizer, "_snapshot_hook", None)
+        if old is not None:
+            old.remove()
+        s.optimizer._snapshot_hook = s.optimizer.register_step_pre_hook(lambda *_: pipeline.before_step())  # type: ignore[attr-defined]
         s.optimizer._snapshot_hooked = pipeline  # type: ignore[attr-defined]
 
     @property
