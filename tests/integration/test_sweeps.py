@@ -39,7 +39,6 @@ NAME = "sw"
 STEP_SECONDS = 0.1
 ARGS = {"num_samples": 256, "step_seconds": STEP_SECONDS}  # 8 steps of 32 samples a unit
 TIMINGS = ("samples_per_second", "train_seconds")  # a unit's speed: differs between any two runs
-FRESH_UNIT = re.compile(r"unit 0 \(attempt 1\): starting from fresh initialization")
 TRIAL_ERROR = re.compile(r"error: run 't\d{3}'")  # a trial process's own line, passed through the sweep's output
 GRACE = 25.0  # preemption_grace_seconds' default: the trials' grace
 WARM = re.compile(r"sweep: (\d+) trial segment\(s\) ran in (\d+) warm trial process\(es\)")  # the pool's last line
@@ -300,7 +299,16 @@ def preempted(tmp_path_factory, prefect_env) -> dict:
     slow = {"recipe_args": json.dumps({**ARGS, "step_seconds": 1.0})}  # 8 s a unit: both first trials mid-unit
     launch = Launch(folder, prefect_env, base / "stopped.log", **slow)
     try:
-        launch.wait_until(lambda: len(FRESH_UNIT.findall(launch.text())) == 2, "both first trials training")
+        # Two trials running, each in its first unit: its TensorBoard folder made (right before its first step) and
+        # no checkpoint yet. Counting "fresh initialization" lines was not enough: under load one runner took 70 s to
+        # start, the other's trial finished its unit and the next began, and the second line was that one's.
+        def two_in_their_first_unit() -> bool:
+            running = set(launch.trial_processes().values())
+            return len(running) == 2 and all(
+                (folder / NAME / run / "tb").is_dir() and committed(folder, run) is None for run in running
+            )
+
+        launch.wait_until(two_in_their_first_unit, "two trials in their first unit")
         time.sleep(random.Random(143).uniform(1.0, 3.0))  # a moment within their first unit's steps
         training = set(launch.trial_processes().values())
         assert len(training) == 2 and all(committed(folder, run) is None for run in training), training
