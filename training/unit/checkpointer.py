@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,9 +81,7 @@ class Checkpointer:
         rng_states = ranks.gather_to_rank0(s.rng_state)  # on rank 0; elsewhere empty, and only rank 0 snapshots
 
         def snapshot() -> dict[str, Any]:
-            objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
-            objects.update({rng_file(r): state for r, state in enumerate(rng_states)})
-            return objects
+            return unit_objects(s, s.progress.as_dict(), rng_states)
 
         self._hook(s)
         return self._commit(s.progress.as_dict(), snapshot, self.metadata(metrics, s))
@@ -111,8 +109,7 @@ class Checkpointer:
         if not self._copies:  # another rank than 0 (or a state the slots cannot hold): nothing to copy
             return 0.0
         progress = s.progress.as_dict()
-        objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": progress}}
-        objects.update({rng_file(r): state for r, state in enumerate(rng_states)})
+        objects = unit_objects(s, progress, rng_states)
         metadata = {**self.metadata(metrics, s), INTERMEDIATE: True}
         self._hook(s)
         try:
@@ -158,10 +155,9 @@ class Checkpointer:
             return
         if self.sharded:
             objects = self._shard_objects(s, s.progress.as_dict())
-        else:  # every rank's RNG state beside the state; a stream's position is small, and reading it asks workers
-            own = rng.capture()
-            objects = {STATE_FILE: {"state": s.state.state_dict(), "progress": s.progress.as_dict()}}
-            objects.update({rng_file(r): own for r in range(self.world.size)})
+        else:  # this rank's RNG state for every rank's (same sizes); a stream's position is small, and reading it
+            # asks the loader's workers
+            objects = unit_objects(s, s.progress.as_dict(), [rng.capture()] * self.world.size)
         self.snapshots.prepare(objects)
 
     def _snapshot_shards(self, s: Session, metrics: Mapping[str, float]) -> float | None:
@@ -374,6 +370,15 @@ def discard_host_snapshots(store: CheckpointStore, committer: Committer) -> None
     committer.drop_snapshots()
     with contextlib.suppress(TierUnavailable):
         HostTier(store.uri).remove()
+
+
+def unit_objects(s: Session, progress: dict[str, Any], rng_states: Sequence[Any]) -> dict[str, Any]:
+    """A unit's checkpoint files (not FSDP's): the state bundle with its ``progress``, and rank r's RNG state (and
+    stream position) in ``rng_file(r)``. What a unit checkpoint and a snapshot commit, and what the first snapshot
+    buffer is sized for."""
+    objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": progress}}
+    objects.update({rng_file(r): state for r, state in enumerate(rng_states)})
+    return objects
 
 
 def retention(config: TrainConfig) -> Retention:
