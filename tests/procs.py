@@ -79,15 +79,14 @@ def wait_until(predicate, proc, what: str, timeout: float = 180, poll: float = 0
         time.sleep(poll)
 
 
-def unmapped(paths: set[str]) -> set[str]:
-    """Of these /dev/shm paths, the ones no live process maps: a named semaphore whose every holder is gone (a process
-    group SIGKILLed with its resource tracker, which would have unlinked it)."""
-    mapped: set[str] = set()
+def group_gone(pgid: int) -> bool:
+    """No process of process group ``pgid`` is left but zombies (which map nothing and hold no file)."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                text = (entry / "maps").read_text()
-            except OSError:
+                fields = _stat_fields(entry.name)  # state, ppid, pgrp, ...
+            except (OSError, IndexError):
                 continue
-            mapped.update(line.split(maxsplit=5)[-1] for line in text.splitlines() if "/dev/shm/" in line)
-    return paths - mapped
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return False
+    return True

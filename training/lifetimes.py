@@ -11,17 +11,28 @@ process's: its parent-death signal, and PyTorch's own check that its parent is s
 which lives as long as any of its children (each holds the forkserver's "alive" pipe). A SIGKILLed trainer left its
 forkserver and its workers behind for ever, holding memory and the shard cache's open files (seen after the format
 kill tests: 30 such processes). ``die_with(trainer)`` makes the worker exit when the trainer does.
+
+Those loaders' queues hold named POSIX semaphores (``/dev/shm/sem.mp-*``): under forkserver a worker opens them by
+name, and multiprocessing's resource tracker, a process of the trainer's group, unlinks them at the end. A SIGKILL of
+the whole group (``kill -9 -PGID``, a job scheduler's or a cgroup OOM kill of every process of the job) takes the tracker
+too, and each such run leaves its names behind (14 for a 2-worker run) until the machine restarts. ``remove_orphaned_semaphores``, called once
+per process before a loader starts its workers, removes the ones no process can still use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import select
 import signal
+import stat
 import sys
 import threading
+import time
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,3 +77,78 @@ def die_with(pid: int, *_: object) -> None:
         os._exit(1)
 
     threading.Thread(target=wait, name=f"die-with-{pid}", daemon=True).start()
+
+
+SHM = "/dev/shm"
+SEMAPHORE_PREFIX = "sem.mp-"  # multiprocessing's names (multiprocessing/synchronize.py, SemLock._make_name)
+# A name younger than this stays even when nothing maps it: the margin for a process this one cannot see (another
+# PID namespace sharing the folder) that made it and still has to pass it to a child.
+ORPHAN_AGE_SECONDS = 300.0
+_swept = threading.Event()  # once per process: a run's later loaders find nothing new of a killed group's
+
+
+def remove_orphaned_semaphores(shm: str = SHM, older_than: float = ORPHAN_AGE_SECONDS) -> list[str]:
+    """Removes this user's multiprocessing semaphores in ``shm`` that no live process maps and that were made more
+    than ``older_than`` seconds ago, and returns their names. Such a name is garbage: every process that opened it
+    maps it until it closes it, so one mapped by none has lost its holders, and only a new ``sem_open`` by name could
+    reach it (what a child does at its start, while its parent still maps it). Another user's files, links and
+    anything else are left; a failure to read or remove is not an error (a sweep is best effort, and never a reason
+    for a run not to start)."""
+    try:
+        fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    try:
+        candidates = _old_semaphores(fd, older_than)
+        if not candidates:
+            return []
+        mapped = _mapped_in(shm)
+        removed = []
+        for name in candidates:
+            if os.path.join(shm, name) in mapped:
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)  # a sticky folder: only this user (or root) can replace its own name
+                removed.append(name)
+    finally:
+        os.close(fd)
+    if removed:
+        log.info("removed %d named semaphores a killed process group left in %s", len(removed), shm)
+    return removed
+
+
+def remove_orphaned_semaphores_once() -> None:
+    """``remove_orphaned_semaphores`` the first time a process calls it (before its first loader with workers)."""
+    if sys.platform.startswith("linux") and not _swept.is_set():
+        _swept.set()
+        remove_orphaned_semaphores()
+
+
+def _old_semaphores(fd: int, older_than: float) -> list[str]:
+    now, uid, old = time.time(), os.getuid(), []
+    for name in os.listdir(fd):
+        if not name.startswith(SEMAPHORE_PREFIX):
+            continue
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime >= older_than:
+            old.append(name)
+    return old
+
+
+def _mapped_in(shm: str) -> set[str]:
+    """The files under ``shm`` that some process this one may inspect has mapped (/proc/PID/maps)."""
+    prefix, mapped = shm.rstrip("/") + "/", set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    if prefix in line:
+                        mapped.add(line.split(maxsplit=5)[-1].rstrip("\n"))
+        except OSError:
+            continue
+    return mapped

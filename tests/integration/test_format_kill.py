@@ -8,8 +8,6 @@ the longer one for token shards."""
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import os
 import random
@@ -22,9 +20,9 @@ import pytest
 from tests.format_data import BLOCK, MDS_FIXTURES, MDS_SAMPLES, write_wds
 from tests.format_recipes import FORMAT_RECORDING, TokenColumn
 from tests.integration.test_streaming_kill import launch
-from tests.procs import unmapped
 from tests.unit.test_data_formats import upload
 from tests.unit.test_sharded_data import consumed, fed_batches, keep_records
+from training.lifetimes import remove_orphaned_semaphores
 
 pytestmark = pytest.mark.slow
 N = MDS_SAMPLES
@@ -48,14 +46,12 @@ def command(
 
 @pytest.fixture
 def semaphores_of_killed_groups():
-    """Removes the named semaphores this test's kills leave in /dev/shm, and only those (new, and mapped by no live
-    process). The loaders' worker queues are made under the forkserver context, whose semaphore names stay until the
-    resource tracker unlinks them; a SIGKILL of the whole process group takes the tracker too (14 names a chain)."""
-    before = set(glob.glob("/dev/shm/sem.mp-*"))
+    """Removes the named semaphores this test's kills leave in /dev/shm (what the product's own sweep removes once they
+    are old, training/lifetimes.py): the loaders' worker queues are made under the forkserver context, whose names stay
+    until the resource tracker unlinks them, and a SIGKILL of the whole process group takes the tracker too (14 names
+    a chain)."""
     yield
-    for path in unmapped(set(glob.glob("/dev/shm/sem.mp-*")) - before):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    remove_orphaned_semaphores(older_than=0)
 
 
 @pytest.mark.usefixtures("semaphores_of_killed_groups")

@@ -11,7 +11,6 @@ path as this stream (its state is as opaque to the snapshot as this one's) and c
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,11 +24,12 @@ import torch
 
 from checkpointing.export import model_weights
 from tests.conftest import HOST_TIER_DIR, ROOT, wait_until
+from tests.procs import group_gone
+from training.lifetimes import remove_orphaned_semaphores
 
 pytestmark = pytest.mark.slow
 RECIPE = "tests.stateful_iterable_recipes:CountingStreamRecipe"
 WORKERS_RECIPE = "tests.stream_worker_recipes:WorkerCountingStreamRecipe"  # each worker its share, augmented
-SHM = Path("/dev/shm")
 STEP = re.compile(r"unit \d+: step (\d+),")
 STARTED = re.compile(r"unit \d+ \(attempt \d+\): starting from (.+) at epoch \d+, step (\d+),")
 
@@ -60,10 +60,10 @@ def run(cmd: list[str], log: Path) -> str:
 
 def kill_mid_unit(cmd: list[str], log: Path) -> int:
     """Starts ``cmd`` and SIGKILLs its process group once step 13 (inside the second unit) is done. Its loader workers'
-    queues leave named semaphores in /dev/shm (14 a run: their unlinker, the group's resource tracker, died too); the
-    ones that appeared meanwhile and no live process maps are removed."""
+    queues leave named semaphores in /dev/shm (14 a run: their unlinker, the group's resource tracker, died too): once
+    the group is gone, they are removed at once (the product's own sweep removes them once they are old,
+    training/lifetimes.py)."""
     env = {**os.environ, **ENV}
-    before = set(SHM.glob("sem.mp-*"))
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -71,30 +71,9 @@ def kill_mid_unit(cmd: list[str], log: Path) -> int:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        wait_until(lambda: _group_gone(proc.pid), 60, "the killed process group to end", every=0.05)
-        _remove_orphaned_semaphores(set(SHM.glob("sem.mp-*")) - before)
+        wait_until(lambda: group_gone(proc.pid), 60, "the killed process group to end", every=0.05)
+        remove_orphaned_semaphores(older_than=0)
     return max(int(s) for s in STEP.findall(log.read_text()))
-
-
-def _group_gone(pgid: int) -> bool:
-    """No process of the group is left but zombies (which map nothing)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ... after "pid (name)"
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return False
-    return True
-
-
-def _remove_orphaned_semaphores(new: set[Path]) -> None:
-    """Removes those of ``new`` that no process has mapped (a live process's semaphores are always mapped)."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/sem.mp-" in line)
-    for sem in new:
-        if str(sem) not in mapped:
-            sem.unlink(missing_ok=True)
 
 
 def test_a_stateful_stream_killed_mid_unit_resumes_from_its_snapshot_bit_identical(tmp_path):

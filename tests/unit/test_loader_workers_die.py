@@ -17,7 +17,9 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.procs import alive
+from tests.deadlines import deadline
+from tests.procs import alive, group_gone
+from training import lifetimes
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds: Linux 5.3 and later")
 
@@ -79,3 +81,63 @@ def test_without_it_they_outlive_the_trainer(tmp_path):
     finally:
         for pid in left:
             os.kill(pid, signal.SIGKILL)  # the forkserver then sees its alive pipe close and exits
+
+
+def _semaphores() -> set[str]:
+    return {name for name in os.listdir(lifetimes.SHM) if name.startswith(lifetimes.SEMAPHORE_PREFIX)}
+
+
+def _trainer_in_its_own_group(tmp_path, name: str) -> subprocess.Popen:
+    """A trainer-like process (the product's loader set-up) leading a process group of its own, its workers up."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "watched"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and len(proc.stdout.readline().split()) == 2, name
+    return proc
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    end = deadline(60)
+    while not group_gone(proc.pid):  # the forkserver and the workers follow the trainer (die_with)
+        assert time.monotonic() < end, "the killed group's processes are still there"
+        time.sleep(0.05)
+
+
+def test_the_semaphores_a_killed_group_leaves_are_removed_and_a_live_loaders_kept(tmp_path):
+    """A SIGKILL of a trainer's whole group (its resource tracker too) leaves its loader's named semaphores in
+    /dev/shm; the sweep a loader runs before it starts its workers removes them once they are old enough, and never a
+    live loader's (mapped by it) or another user's."""
+    before = _semaphores()
+    live = _trainer_in_its_own_group(tmp_path, "live")
+    try:
+        live_names = _semaphores() - before
+        victim = _trainer_in_its_own_group(tmp_path, "victim")
+        left = _semaphores() - before - live_names
+        _kill_group(victim)
+        assert live_names and left and left <= _semaphores()  # the leak is real: the names outlive their group
+
+        assert not set(lifetimes.remove_orphaned_semaphores(older_than=3600)) & left  # too young: kept
+        assert left <= _semaphores()
+        other_user = None
+        if os.getuid() == 0:  # root may make a file of another user's: an orphan by every other measure
+            other_user = f"{lifetimes.SEMAPHORE_PREFIX}another-user-{os.getpid()}"
+            path = os.path.join(lifetimes.SHM, other_user)
+            with open(path, "wb") as f:
+                f.write(b"\0" * 32)
+            os.chown(path, 65534, 65534)
+        try:
+            removed = set(lifetimes.remove_orphaned_semaphores(older_than=0))
+            assert left <= removed and not left & _semaphores()  # the killed group's: gone
+            assert not live_names & removed and live_names <= _semaphores()  # the live loader's: kept
+            assert other_user is None or (other_user not in removed and other_user in _semaphores())
+        finally:
+            if other_user is not None:
+                os.unlink(os.path.join(lifetimes.SHM, other_user))
+    finally:
+        _kill_group(live)
+        lifetimes.remove_orphaned_semaphores(older_than=0)

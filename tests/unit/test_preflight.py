@@ -3,15 +3,19 @@ temporary server's "still starting" line, whose seconds move, and the loader wor
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from flows import server
+from training import lifetimes
 from training.config import ConfigError
 
 
@@ -83,11 +87,25 @@ def snapshot(folder: str) -> dict[str, tuple[int, int]]:
     return found
 
 
-def test_loader_workers_start_is_one_line_with_its_seconds(make_config, train_run, caplog):
+def test_loader_workers_start_is_one_line_with_its_seconds(make_config, train_run, caplog, monkeypatch):
     """num_workers > 0: the first unit pays the workers' start, and one line says how long it took; the workers
-    live across units, so a second unit says nothing more. Without workers, nothing is said."""
+    live across units, so a second unit says nothing more. Without workers, nothing is said. Before the workers
+    start, the named semaphores that killed process groups left in /dev/shm and no process maps go, once old
+    (training/lifetimes.py; real ones: tests/unit/test_loader_workers_die.py)."""
     caplog.set_level(logging.INFO, logger="training")
-    train_run(make_config(max_duration="2ep", num_workers=1))
+    monkeypatch.setattr(lifetimes, "_swept", threading.Event())  # this process's sweep not done yet
+    old, young = (os.path.join(lifetimes.SHM, f"{lifetimes.SEMAPHORE_PREFIX}test-{os.getpid()}-{age}") for age in "oy")
+    for path in (old, young):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 32)  # a sem_t's size: mapped by no process
+    os.utime(old, (time.time() - 2 * lifetimes.ORPHAN_AGE_SECONDS,) * 2)
+    try:
+        train_run(make_config(max_duration="2ep", num_workers=1))
+        assert not os.path.exists(old) and os.path.exists(young)
+    finally:
+        for path in (old, young):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loader workers started")]
     assert len(lines) == 1, lines
     seconds = float(re.fullmatch(r"loader workers started \(num_workers=1\) in ([\d.]+) s, .*", lines[0]).group(1))

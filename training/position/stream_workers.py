@@ -29,7 +29,7 @@ import torch
 
 from training.config import ConfigError
 from training.exceptions import DataError
-from training.lifetimes import die_with
+from training.lifetimes import die_with, remove_orphaned_semaphores_once
 from training.position.worker_seeds import seed_generators
 
 MAX_NODES = 100_000  # values in one rank's saved loader state (a worker's stream state is a few dozen)
@@ -87,6 +87,7 @@ def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: in
             f"torchdata's StatefulDataLoader, which is not installed; pip install 'resumable-train[streams]', or set "
             f"num_workers=0"
         ) from None
+    remove_orphaned_semaphores_once()  # what earlier SIGKILLed process groups' loaders left in /dev/shm
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch: not the user's to fix
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StatefulDataLoader(
@@ -99,7 +100,7 @@ def worker_loader(stream: Any, num_workers: int, seed: int, samples_per_step: in
             prefetch_factor=min(MAX_PREFETCH, max(2, -(-samples_per_step // num_workers))),
             snapshot_every_n_steps=1,  # every sample carries its worker's state: exact after any sample
             generator=torch.Generator().manual_seed(seed % 2**63),  # the base seed (SeededStream reseeds per sample)
-            worker_init_fn=functools.partial(die_with, os.getpid()),  # a forkserver's child: see processes.py
+            worker_init_fn=functools.partial(die_with, os.getpid()),  # a forkserver's child: see lifetimes.py
         )
 
 

@@ -27,7 +27,7 @@ from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
 from training.config import ConfigError, TrainConfig
 from training.exceptions import InjectedFault
-from training.lifetimes import die_with
+from training.lifetimes import die_with, remove_orphaned_semaphores_once
 from training.metrics.log import MetricLog, metrics_for
 from training.position.iterable import loader_workers
 from training.position.progress import crossed, ends_unit, is_complete, samples_left, unit_index
@@ -420,6 +420,7 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
             generator=torch.Generator(),
         )
     if s.loader is None:
+        remove_orphaned_semaphores_once()  # what earlier SIGKILLed process groups' loaders left in /dev/shm
         # forkserver: workers forked straight from a Prefect process (which runs threads) died at exit.
         s.loader = DataLoader(
             _SeededByBatch(s.dataset, config.seed),
@@ -430,7 +431,7 @@ def _loader(config: TrainConfig, s: Session, epoch_size: int) -> tuple[Resumable
             multiprocessing_context="forkserver",
             persistent_workers=True,
             generator=torch.Generator(),
-            worker_init_fn=functools.partial(die_with, os.getpid()),  # a forkserver's child: see processes.py
+            worker_init_fn=functools.partial(die_with, os.getpid()),  # a forkserver's child: see lifetimes.py
         )
         s.loader.batch_sampler.current = sampler
         return sampler, _timed_start(s.loader, config.num_workers, s.world.rank == 0)
