@@ -89,11 +89,13 @@ _swept = threading.Event()  # once per process: a run's later loaders find nothi
 
 def remove_orphaned_semaphores(shm: str = SHM, older_than: float = ORPHAN_AGE_SECONDS) -> list[str]:
     """Removes this user's multiprocessing semaphores in ``shm`` that no live process maps and that were made more
-    than ``older_than`` seconds ago, and returns their names. Such a name is garbage: every process that opened it
-    maps it until it closes it, so one mapped by none has lost its holders, and only a new ``sem_open`` by name could
-    reach it (what a child does at its start, while its parent still maps it). Another user's files, links and
-    anything else are left; a failure to read or remove is not an error (a sweep is best effort, and never a reason
-    for a run not to start)."""
+    than ``older_than`` seconds ago, and returns their names. Such a name is garbage: every process that made or
+    opened it maps its file until it closes it, so one mapped by none has lost its holders, and only a new
+    ``sem_open`` by name could reach it (what a child does at its start, while its parent still maps it). Mapped is
+    by the file (device and inode), not by its name: glibc makes a semaphore under a temporary name, maps it, then
+    links the real name to it, so its maker's mapping reads ``/dev/shm/sem.XXXXXX (deleted)``. Another user's files,
+    links and anything else are left; a failure to read or remove is not an error (a sweep is best effort, and never
+    a reason for a run not to start)."""
     try:
         fd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -102,10 +104,11 @@ def remove_orphaned_semaphores(shm: str = SHM, older_than: float = ORPHAN_AGE_SE
         candidates = _old_semaphores(fd, older_than)
         if not candidates:
             return []
-        mapped = _mapped_in(shm)
+        device = os.fstat(fd).st_dev
+        mapped = _mapped_inodes(f"{os.major(device):02x}:{os.minor(device):02x}")
         removed = []
-        for name in candidates:
-            if os.path.join(shm, name) in mapped:
+        for name, inode in candidates:
+            if inode in mapped:
                 continue
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=fd)  # a sticky folder: only this user (or root) can replace its own name
@@ -124,7 +127,9 @@ def remove_orphaned_semaphores_once() -> None:
         remove_orphaned_semaphores()
 
 
-def _old_semaphores(fd: int, older_than: float) -> list[str]:
+def _old_semaphores(fd: int, older_than: float) -> list[tuple[str, int]]:
+    """This user's ``sem.mp-*`` files in the folder ``fd`` last written ``older_than`` seconds ago or more, with their
+    inodes."""
     now, uid, old = time.time(), os.getuid(), []
     for name in os.listdir(fd):
         if not name.startswith(SEMAPHORE_PREFIX):
@@ -134,21 +139,23 @@ def _old_semaphores(fd: int, older_than: float) -> list[str]:
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime >= older_than:
-            old.append(name)
+            old.append((name, st.st_ino))
     return old
 
 
-def _mapped_in(shm: str) -> set[str]:
-    """The files under ``shm`` that some process this one may inspect has mapped (/proc/PID/maps)."""
-    prefix, mapped = shm.rstrip("/") + "/", set()
+def _mapped_inodes(device: str) -> set[int]:
+    """The inodes of the files on ``device`` (``maj:min`` in hex, as /proc/PID/maps writes it) that some process this
+    one may inspect has mapped."""
+    mapped = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
                 for line in maps:
-                    if prefix in line:
-                        mapped.add(line.split(maxsplit=5)[-1].rstrip("\n"))
-        except OSError:
+                    fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+                    if len(fields) > 4 and fields[3] == device:
+                        mapped.add(int(fields[4]))
+        except (OSError, ValueError):
             continue
     return mapped

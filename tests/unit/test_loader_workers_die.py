@@ -83,6 +83,14 @@ def test_without_it_they_outlive_the_trainer(tmp_path):
             os.kill(pid, signal.SIGKILL)  # the forkserver then sees its alive pipe close and exits
 
 
+MAKER = (
+    "import multiprocessing, sys\n"
+    "lock = multiprocessing.get_context('forkserver').Lock()\n"
+    "print('made', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
 def _semaphores() -> set[str]:
     return {name for name in os.listdir(lifetimes.SHM) if name.startswith(lifetimes.SEMAPHORE_PREFIX)}
 
@@ -111,10 +119,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def test_the_semaphores_a_killed_group_leaves_are_removed_and_a_live_loaders_kept(tmp_path):
     """A SIGKILL of a trainer's whole group (its resource tracker too) leaves its loader's named semaphores in
     /dev/shm; the sweep a loader runs before it starts its workers removes them once they are old enough, and never a
-    live loader's (mapped by it) or another user's."""
+    live loader's (mapped by it and its workers), a lock that only its maker maps (glibc made it under another name,
+    so the maker's mapping does not read the name), or another user's."""
     before = _semaphores()
     live = _trainer_in_its_own_group(tmp_path, "live")
+    maker = subprocess.Popen(  # a lock no child opened: only its maker maps it, under the name it was made with
+        [sys.executable, "-c", MAKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
+        assert maker.stdout is not None and maker.stdout.readline().strip() == "made"
         live_names = _semaphores() - before
         victim = _trainer_in_its_own_group(tmp_path, "victim")
         left = _semaphores() - before - live_names
@@ -139,5 +152,7 @@ def test_the_semaphores_a_killed_group_leaves_are_removed_and_a_live_loaders_kep
             if other_user is not None:
                 os.unlink(os.path.join(lifetimes.SHM, other_user))
     finally:
+        maker.kill()
+        maker.wait(timeout=30)
         _kill_group(live)
         lifetimes.remove_orphaned_semaphores(older_than=0)
