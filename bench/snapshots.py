@@ -346,9 +346,12 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def kill_once(extra: list[str], k: int, window: float, seed: int, steps: int, unit: int) -> tuple[int, int]:
+def kill_once(
+    extra: list[str], k: int, window: float, seed: int, steps: int, unit: int, elsewhere: bool = False
+) -> tuple[int, int]:
     """(last step logged before the kill, the step the relaunch started at): a fresh run, killed after step ``k`` plus
-    a uniform random delay in [0, window), then relaunched until it says where it starts."""
+    a uniform random delay in [0, window), then relaunched until it says where it starts; ``elsewhere``: relaunched
+    with a tier folder of its own, as on another machine (it resumes from the store)."""
     folder, tier_dir = scratch("kill-"), scratch("tier-")
     env, logs = child_env(tier_dir), Path(scratch("logs-"))
     cmd = lifecycle_command(folder, extra, steps, unit)
@@ -357,22 +360,29 @@ def kill_once(extra: list[str], k: int, window: float, seed: int, steps: int, un
     time.sleep(random.Random(seed).uniform(0.0, window))
     kill(proc)
     last = max(int(x) for x in STEP.findall((logs / "killed.log").read_text()))
+    if elsewhere:
+        env = child_env(scratch("tier-elsewhere-"))
     relaunched = launch(cmd, env, logs / "relaunched.log")
     started = wait_for(relaunched, logs / "relaunched.log", STARTED.search)
     kill(relaunched)
     return last, int(started.group(2))
 
 
+ELSEWHERE = "tier on, snapshot every step, relaunched on another machine (a tier folder of its own)"
+
+
 def measure_kills(kills: int, k: int, window: float, steps: int, unit: int) -> dict[str, list[tuple[int, int]]]:
     variants = {
         "tier on, snapshot every step": ["--snapshot_interval", "1ba"],
+        ELSEWHERE: ["--snapshot_interval", "1ba"],
         "tier off, snapshot every step": ["--snapshot_interval", "1ba", "--host_memory_tier", "false"],
         f"old way (unit checkpoints every {unit} steps)": [],
     }
     out: dict[str, list[tuple[int, int]]] = {name: [] for name in variants}
     for i in range(kills):
         for name in rotated(list(variants), i):
-            last, start = kill_once(variants[name], k, window, seed=1000 + i, steps=steps, unit=unit)
+            elsewhere = name == ELSEWHERE
+            last, start = kill_once(variants[name], k, window, 1000 + i, steps, unit, elsewhere)
             out[name].append((last, start))
             progress(f"kill {i + 1}/{kills}, {name}: last step {last}, relaunch started at {start}")
     return out
@@ -389,7 +399,7 @@ def render_kills(out: dict[str, list[tuple[int, int]]], k: int, window: float) -
     for name, pairs in out.items():
         lost = [last - start for last, start in pairs]
         dist = ", ".join(f"{n}: {lost.count(n)}" for n in sorted(set(lost)))
-        goal = f"<= 1: {'met' if max(lost) <= 1 else 'missed'}" if name.startswith("tier on") else ""
+        goal = f"<= 1: {'met' if max(lost) <= 1 else 'missed'}" if name == "tier on, snapshot every step" else ""
         lines.append(f"| {name} | {len(lost)} | {max(lost)} | {median([float(x) for x in lost]):g} | {dist} | {goal} |")
     return lines
 
