@@ -48,8 +48,11 @@ def program(cmdline: str) -> str:
     """A process's program from its command line: ``python -m MODULE``, a ``-c`` script's kind, or the script."""
     words = cmdline.split()
     if "-m" in words[:4] and words.index("-m") + 1 < len(words):
-        module = words[words.index("-m") + 1]
-        return f"python -m {module}"
+        rest = words[words.index("-m") + 1 :]
+        if rest[0] == "prefect":  # its subcommand: a server's CPU is not a CLI call's
+            rest = [rest[0], *[w for w in rest[1:] if not w.startswith("-")][:2]]
+            return "python -m " + " ".join(rest)
+        return f"python -m {rest[0]}"
     if "-c" in words[:4]:
         code = cmdline.split(" -c ", 1)[-1]
         return "pytest-xdist worker" if "exec(eval" in code else "python -c (a script)"
