@@ -14,9 +14,10 @@ kill tests: 30 such processes). ``die_with(trainer)`` makes the worker exit when
 
 Those loaders' queues hold named POSIX semaphores (``/dev/shm/sem.mp-*``): under forkserver a worker opens them by
 name, and multiprocessing's resource tracker, a process of the trainer's group, unlinks them at the end. A SIGKILL of
-the whole group (``kill -9 -PGID``, a job scheduler's or a cgroup OOM kill of every process of the job) takes the tracker
-too, and each such run leaves its names behind (14 for a 2-worker run) until the machine restarts. ``remove_orphaned_semaphores``, called once
-per process before a loader starts its workers, removes the ones no process can still use.
+the whole group (``kill -9 -PGID``, a job scheduler's or a cgroup OOM kill of every process of the job) takes the
+tracker too, and each such run leaves its names behind (14 for a 2-worker run) until the machine restarts.
+``remove_orphaned_semaphores``, called once per process before a loader starts its workers, removes the ones no
+process can still use.
 """
 
 from __future__ import annotations
