@@ -346,46 +346,75 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+AGENT = re.compile(r"checkpoint agent: .* without closing its run(.*)")
+
+
 def kill_once(
-    extra: list[str], k: int, window: float, seed: int, steps: int, unit: int, elsewhere: bool = False
-) -> tuple[int, int]:
-    """(last step logged before the kill, the step the relaunch started at): a fresh run, killed after step ``k`` plus
-    a uniform random delay in [0, window), then relaunched until it says where it starts; ``elsewhere``: relaunched
-    with a tier folder of its own, as on another machine (it resumes from the store)."""
+    extra: list[str], k: int, window: float, seed: int, steps: int, unit: int, elsewhere: bool = False, s3: Any = None
+) -> tuple[int, int, float | None]:
+    """(last step logged before the kill, the step the relaunch started at, seconds from the kill to the checkpoint
+    agent's report or None): a fresh run, killed after step ``k`` plus a uniform random delay in [0, window), then
+    relaunched until it says where it starts; ``elsewhere``: relaunched with a tier folder of its own, as on another
+    machine (it resumes from the store); ``s3``: the store is that moto server (a bucket of its own), so the checkpoint
+    agent runs, and the relaunch waits for its report (here the other machine is this one: a relaunch before the
+    agent's lease would see the trainer's pid gone and claim at once)."""
+    import json
+
     folder, tier_dir = scratch("kill-"), scratch("tier-")
+    if s3 is not None:
+        folder = f"{s3.fresh_bucket(f'kill-{seed}')}/runs"
+        extra = [*extra, "--storage_options", json.dumps(s3.options)]
     env, logs = child_env(tier_dir), Path(scratch("logs-"))
     cmd = lifecycle_command(folder, extra, steps, unit)
     proc = launch(cmd, env, logs / "killed.log")
     wait_for(proc, logs / "killed.log", lambda text: any(int(x) >= k for x in STEP.findall(text)))
     time.sleep(random.Random(seed).uniform(0.0, window))
     kill(proc)
+    killed_at = time.monotonic()
     last = max(int(x) for x in STEP.findall((logs / "killed.log").read_text()))
+    agent_seconds = None
+    if s3 is not None:
+        deadline = killed_at + 300
+        while not AGENT.search((logs / "killed.log").read_text()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no report of the checkpoint agent:\n{(logs / 'killed.log').read_text()[-3000:]}")
+            time.sleep(0.01)
+        agent_seconds = time.monotonic() - killed_at
     if elsewhere:
         env = child_env(scratch("tier-elsewhere-"))
     relaunched = launch(cmd, env, logs / "relaunched.log")
     started = wait_for(relaunched, logs / "relaunched.log", STARTED.search)
     kill(relaunched)
-    return last, int(started.group(2))
+    return last, int(started.group(2)), agent_seconds
 
 
-ELSEWHERE = "tier on, snapshot every step, relaunched on another machine (a tier folder of its own)"
+ELSEWHERE = "tier on, snapshot every step, relaunched on another machine (a tier folder of its own), local folder"
+ELSEWHERE_S3 = "the same, S3 (moto) as the store: the checkpoint agent commits the newest snapshot after the kill"
 
 
-def measure_kills(kills: int, k: int, window: float, steps: int, unit: int) -> dict[str, list[tuple[int, int]]]:
+def measure_kills(kills: int, k: int, window: float, steps: int, unit: int) -> tuple[dict[str, list], list[float]]:
+    from bench.common import local_s3
+
     variants = {
         "tier on, snapshot every step": ["--snapshot_interval", "1ba"],
         ELSEWHERE: ["--snapshot_interval", "1ba"],
+        ELSEWHERE_S3: ["--snapshot_interval", "1ba"],
         "tier off, snapshot every step": ["--snapshot_interval", "1ba", "--host_memory_tier", "false"],
         f"old way (unit checkpoints every {unit} steps)": [],
     }
     out: dict[str, list[tuple[int, int]]] = {name: [] for name in variants}
-    for i in range(kills):
-        for name in rotated(list(variants), i):
-            elsewhere = name == ELSEWHERE
-            last, start = kill_once(variants[name], k, window, 1000 + i, steps, unit, elsewhere)
-            out[name].append((last, start))
-            progress(f"kill {i + 1}/{kills}, {name}: last step {last}, relaunch started at {start}")
-    return out
+    agent_seconds: list[float] = []
+    with local_s3() as s3:
+        for i in range(kills):
+            for name in rotated(list(variants), i):
+                elsewhere = name in (ELSEWHERE, ELSEWHERE_S3)
+                store = s3 if name == ELSEWHERE_S3 else None
+                last, start, waited = kill_once(variants[name], k, window, 1000 + i, steps, unit, elsewhere, store)
+                out[name].append((last, start))
+                if waited is not None:
+                    agent_seconds.append(waited)
+                progress(f"kill {i + 1}/{kills}, {name}: last step {last}, relaunch started at {start}")
+    return out, agent_seconds
 
 
 def render_kills(out: dict[str, list[tuple[int, int]]], k: int, window: float) -> list[str]:
@@ -537,13 +566,16 @@ def run_b(a: Any, load: str) -> None:
 
 
 def run_c(a: Any, load: str) -> None:
-    out = measure_kills(a.kills, a.kill_after, a.window, a.kill_steps, a.kill_unit)
+    out, agent_seconds = measure_kills(a.kills, a.kill_after, a.window, a.kill_steps, a.kill_unit)
     nbytes, times = measure_restore(a.restore_reps)
     lines = [
         f"tests.run_lifecycle, GPT {KILL_ARGS}, global batch 16, 1 thread, {a.kill_steps} steps, units of "
         f"{a.kill_unit} steps; TRAIN_HOST_TIER_DIR a scratch folder on disk.",
         "",
         *render_kills(out, a.kill_after, a.window),
+        "",
+        f"S3: from the kill to the checkpoint agent's report (its start, imports, reading the tier, the commit), s: "
+        f"{spread(agent_seconds, '{:.2f}')}.",
         "",
         f"Restore of the same {nbytes / 1e6:.0f} MB state ({a.restore_reps} alternating reps; the store is a local "
         "folder whose files are in the page cache):",

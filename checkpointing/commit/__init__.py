@@ -10,5 +10,7 @@
 3. ``streaming.py``: each file ``torch.save``d straight into the store while it is hashed, then
    ``CheckpointStore.begin_commit`` / ``commit_files`` write the manifest and move ``latest``;
 4. ``sharded.py`` (with ``dcp_metadata.py``): FSDP's DCP shards, written by every rank and committed by rank 0 under
-   the same manifest and ``latest``, and read back.
+   the same manifest and ``latest``, and read back;
+5. ``agent.py``: the checkpoint agent, a process of its own that commits the newest published slot through
+   ``finish`` when the training process dies without closing its run (a relaunch elsewhere then loses one step).
 """

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from checkpointing.commit.agent import Agent
 from checkpointing.commit.committer import (
     INTERMEDIATE,
     CommitRequest,
@@ -176,8 +177,9 @@ class Usage:
 class SnapshotPipeline:
     """Snapshots of one run from one process (one rank). ``tier``: the host-memory tier, or None for private slots."""
 
-    def __init__(self, store_uri: str, rank: int, tier: HostTier | None):
+    def __init__(self, store_uri: str, rank: int, tier: HostTier | None, agent: Agent | None = None):
         self.store_uri, self.rank = store_uri, rank
+        self.agent = agent  # commits the newest published snapshot if this process dies without close() (agent.py)
         self._lock = threading.Condition()
         self.slots = SlotPool(tier, self._lock, self._warn)  # made on the snapshot-slots thread
         self._newest: _Job | None = None  # published, newest
@@ -576,6 +578,8 @@ class SnapshotPipeline:
         self.slots.close()  # its thread ends, every slot is unpinned
         if self.tier is not None:
             self.tier.close()
+        if self.agent is not None:  # the run closed as it should: nothing for the agent to do
+            self.agent.close()
 
     def _newest_on_disk(self) -> int | None:
         """A relaunched process: the slot holding the newest record a dead process left (never overwritten first)."""

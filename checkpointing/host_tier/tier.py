@@ -411,6 +411,25 @@ class HostTier:
             yield f
 
 
+def verified(tier: HostTier, index: int, record: Record, rank: int) -> dict[str, Any] | None:
+    """The snapshot's objects when they verify and the position in its tree is the one its record gives (the record
+    chooses the slot and says how far along it is: both must be the snapshot's own); None otherwise. What a relaunch
+    here resumes from, and what the persisting agent commits (checkpointing/commit/agent.py)."""
+    objects = tier.load(index, record, rank)
+    if objects is None:
+        return None
+    trees = [v["progress"] for v in objects.values() if isinstance(v, dict) and isinstance(v.get("progress"), dict)]
+    if not trees or any({k: tree.get(k) for k in record.progress} != record.progress for tree in trees):
+        log.warning(
+            "host-memory tier: slot %d of rank %d (%s) records a position its snapshot does not hold; not used",
+            index,
+            rank,
+            record.name,
+        )
+        return None
+    return objects
+
+
 def _open_root(root: str) -> int:
     """The tier's root folder, opened; one named by TRAIN_HOST_TIER_DIR that does not exist yet is made (0700)."""
     try:

@@ -22,8 +22,10 @@ import torch
 
 from checkpointing import CheckpointStore
 from checkpointing.export import model_weights
+from deployments.stack import descendants
 from tests.conftest import HOST_TIER_DIR, ROOT, seeds, wait_until
 from tests.integration.test_kill_resume import assert_equal_state, final_state
+from tests.procs import alive
 
 pytestmark = pytest.mark.slow
 # ~19 MB of state; 8 steps an epoch, 48 steps in all, units of one epoch, a snapshot every step.
@@ -43,23 +45,26 @@ def command(folder: str, *extra: str, duration: str = "6ep") -> list[str]:
     ]  # fmt: skip
 
 
-def environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_HOST_TIER_DIR": HOST_TIER_DIR}
+def environment(tier: str = HOST_TIER_DIR) -> dict[str, str]:
+    """``tier``: this machine's shared memory (another folder: another machine's)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TRAIN_HOST_TIER_DIR": tier}
 
 
-def run_to_completion(cmd: list[str], log: Path) -> str:
+def run_to_completion(cmd: list[str], log: Path, tier: str = HOST_TIER_DIR) -> str:
     with open(log, "w") as out:
-        code = subprocess.run(cmd, cwd=ROOT, env=environment(), stdout=out, stderr=subprocess.STDOUT, timeout=600)
+        code = subprocess.run(cmd, cwd=ROOT, env=environment(tier), stdout=out, stderr=subprocess.STDOUT, timeout=600)
     text = log.read_text()
     assert code.returncode == 0, text[-4000:]
     return text
 
 
-def kill_at_random(cmd: list[str], log: Path, seed: int) -> int:
+def kill_at_random(cmd: list[str], log: Path, seed: int, mid_unit: bool = False, seen: list | None = None) -> int:
     """Starts ``cmd``, SIGKILLs its whole process group at a random moment between steps 6 and 40 of its 48 (a random
-    step, then a random fraction of a step's time); returns the last step it reported finished."""
+    step, then a random fraction of a step's time); returns the last step it reported finished. ``mid_unit``: a step
+    in the middle of a unit (3-5 of its 8), where the store holds at most what the rested upload thread sent; ``seen``
+    gets every process the command had started just before the kill."""
     rng = random.Random(seed)
-    target = rng.randint(6, 40)
+    target = rng.choice([u * 8 + k for u in range(1, 5) for k in (3, 4, 5)]) if mid_unit else rng.randint(6, 40)
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=environment(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -73,6 +78,8 @@ def kill_at_random(cmd: list[str], log: Path, seed: int) -> int:
     # as before, outlasted the whole run's remaining 42 steps on a quiet machine for some seeds (TEST_SEED=829402):
     # the kill came after it completed and the test had nothing to check.
     time.sleep(rng.uniform(0.0, 0.05))
+    if seen is not None:
+        seen.extend(descendants(proc.pid))
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     return max(int(s) for s in STEP.findall(log.read_text()))
@@ -87,6 +94,12 @@ def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def remove_tier(folder: str, storage_options: dict | None = None) -> None:
+    from checkpointing.host_tier.tier import HostTier
+
+    HostTier(CheckpointStore(folder, "k", storage_options=storage_options).uri).remove()
 
 
 def tier_left(folder: str, storage_options: dict | None = None) -> list[str]:
@@ -179,12 +192,35 @@ def test_with_fsdp_snapshots_a_relaunch_at_a_unit_boundary_matches_an_uninterrup
     assert_same(weights(split), uninterrupted(FSDP))
 
 
-def test_with_s3_as_the_store_a_hard_kill_loses_at_most_one_step(tmp_path, reference, s3):
+@pytest.mark.parametrize("seed", seeds(5, 6))
+def test_with_s3_a_hard_kill_then_a_relaunch_on_another_machine_loses_at_most_one_step(tmp_path, reference, s3, seed):
+    """Machine A's process group is SIGKILLed in the middle of a unit, where the store trails A's tier by the upload
+    thread's rest. A's checkpoint agent (checkpointing/commit/agent.py, a session of its own) commits the newest
+    snapshot of A's tier to S3 and exits; machine B (another tier folder: nothing of A's memory) relaunches from the
+    store alone, redoes at most the step whose snapshot was not published, and ends bit-identical."""
     folder, options = s3
-    finished, origin, step = kill_and_relaunch(tmp_path, folder, 6, "--storage_options", json.dumps(options))
-    assert finished - 1 <= step <= finished, (finished, origin, step)
+    extra = ("--storage_options", json.dumps(options))
+    killed, started_before = tmp_path / "killed.log", []
+    finished = kill_at_random(command(folder, *extra), killed, seed, mid_unit=True, seen=started_before)
+    report = wait_until(
+        lambda: re.search(r"checkpoint agent: .* without closing its run(.*)", killed.read_text()),
+        120,
+        "the agent's report",
+    )
+    assert "committed its newest snapshot" in report.group(1), killed.read_text()[-4000:]
+    wait_until(lambda: not any(alive(pid) for pid in started_before), 30, "the agent's exit")
+    machine_b = tmp_path / "machine-b-shm"
+    machine_b.mkdir(mode=0o700)
+    text = run_to_completion(command(folder, *extra), tmp_path / "relaunched.log", tier=str(machine_b))
+    started = STARTED.search(text)
+    assert started, text[-4000:]
+    assert "host-memory" not in started.group(1), started.group(1)  # B has nothing of A's memory
+    assert finished - 1 <= int(started.group(2)) <= finished, (finished, started.groups(), report.group(1))
     assert_same(weights(folder, options), reference)
-    assert tier_left(folder, options) == []
+    assert os.listdir(machine_b) in ([], [f"resumable-train-{os.getuid()}"])
+    tier_a = tier_left(folder, options)  # what B cannot know of: A's snapshots stay in A's memory until A's gc
+    assert tier_a, "the agent removed the snapshots of A's tier, which a relaunch on A would resume from"
+    remove_tier(folder, options)
 
 
 def test_a_shared_memory_too_small_for_the_snapshots_is_one_warning_and_training_goes_on(tmp_path, reference):

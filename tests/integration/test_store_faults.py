@@ -28,7 +28,7 @@ from checkpointing import (
 )
 from checkpointing.io.storage import Storage
 from flows.train import train
-from tests.conftest import MOTO_SECRET_KEY, RECORDING
+from tests.conftest import MOTO_SECRET_KEY, RECORDING, wait_until
 from tests.faults import DROP, DROP_AFTER, FaultProxy, error_xml
 
 FAST_RETRY = RetrySettings(attempts=12, max_seconds=60, initial_wait=0.01, max_wait=0.1)
@@ -344,6 +344,13 @@ def test_a_kill_during_an_upload_leaves_latest_on_the_previous_verified_checkpoi
         victim.wait(timeout=30)
         proxy.deny = re.compile(".")  # the dead process's held request must not land either
         proxy.release.set()
+        # nor its checkpoint agent's commit of the newest snapshot (checkpointing/commit/agent.py), refused here
+        agent = wait_until(
+            lambda: re.search(r"checkpoint agent: .* without closing its run.*", (tmp_path / "victim.log").read_text()),
+            120,
+            "the checkpoint agent's report",
+        )
+        assert "could not be committed" in agent.group(0) and "access denied" in agent.group(0), agent.group(0)
 
     store = CheckpointStore(folder, "k", storage_options=options)
     latest = store.latest(deep=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
 from checkpointing.host_tier.gc import not_resumable
-from checkpointing.host_tier.tier import HostTier, Record, TierUnavailable
+from checkpointing.host_tier.tier import HostTier, Record, TierUnavailable, verified
 from checkpointing.manifest import Manifest, Writer
 from checkpointing.store import CheckpointInfo
 from training.config import TrainConfig
@@ -88,7 +88,7 @@ def sharded_snapshot(config: TrainConfig, store: CheckpointStore, rank: int, siz
             return None
 
         chosen = ranks.on_rank0(choose)
-        objects = _load(tier, *mine[chosen], rank) if chosen is not None and tier is not None else None
+        objects = verified(tier, *mine[chosen], rank) if chosen is not None and tier is not None else None
         if chosen is None or not _on_every_rank(objects is not None):
             return None
         assert objects is not None
@@ -115,7 +115,7 @@ def _newest(store: CheckpointStore, name: str | None = None) -> LoadedCheckpoint
             if why:
                 logger.info("host-memory snapshot %s not used: %s", record.name, why)
                 return None  # the older ones are older still
-            objects = _load(tier, index, record, 0)
+            objects = verified(tier, index, record, 0)
             if objects is not None:
                 return LoadedCheckpoint(_info(store, record), objects)
         return None
@@ -130,24 +130,6 @@ def _on_every_rank(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def _load(tier: HostTier, index: int, record: Record, rank: int) -> dict[str, Any] | None:
-    """The snapshot's objects when they verify and the position in its tree is the one its record gives (the record
-    chooses the slot and says how far along it is: both must be the snapshot's own); None otherwise."""
-    objects = tier.load(index, record, rank)
-    if objects is None:
-        return None
-    trees = [v["progress"] for v in objects.values() if isinstance(v, dict) and isinstance(v.get("progress"), dict)]
-    if not trees or any({k: tree.get(k) for k in record.progress} != record.progress for tree in trees):
-        logger.warning(
-            "host-memory tier: slot %d of rank %d (%s) records a position its snapshot does not hold; not used",
-            index,
-            rank,
-            record.name,
-        )
-        return None
-    return objects
 
 
 def _info(store: CheckpointStore, record: Record) -> CheckpointInfo:

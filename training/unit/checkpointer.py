@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpointing import CheckpointStore, Writer, ranks
+from checkpointing.commit import agent
 from checkpointing.commit import committer as commits
+from checkpointing.commit.agent import Agent
 from checkpointing.commit.committer import INTERMEDIATE, Committer, CommitTerms, PendingCommit, Retention
 from checkpointing.commit.snapshots import SnapshotPipeline, Stats, Taken
 from checkpointing.host_tier.gc import claim_of, sweep_on_open
@@ -28,6 +30,7 @@ from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
 from training.position.iterable import StatefulIterable
 from training.start.identity import run_identity
+from training.start.store import store_retry
 from training.unit import rng
 from training.unit.session import SINGLE_PROCESS, UNIT_SO_FAR, Session, World, rng_file
 from training.unit.state import SMALL
@@ -362,7 +365,26 @@ def open_pipeline(store: CheckpointStore, rank: int, config: TrainConfig) -> Sna
             logger.warning("host-memory tier off for this run: %s; snapshots stay in private memory", exc)
     if tier is not None and rank == 0:
         sweep_on_open(tier)  # other runs' snapshots that no relaunch would resume from leave this machine's memory
-    return SnapshotPipeline(store.uri, rank, tier)
+    return SnapshotPipeline(store.uri, rank, tier, start_agent(store, rank, config) if tier is not None else None)
+
+
+def start_agent(store: CheckpointStore, rank: int, config: TrainConfig) -> Agent | None:
+    """The agent that commits rank 0's newest snapshot from the tier should this process die without closing the run
+    (checkpointing/commit/agent.py), where a relaunch may run on another machine. Not for FSDP: a rank's snapshot
+    holds its own shards only, and the store gets a unit's sharded commit."""
+    if rank != 0 or config.parallelism == "fsdp" or not agent.reaches_other_machines(store.storage):
+        return None
+    return Agent.start(
+        agent.orders(
+            config.save_folder,
+            config.run_name,
+            config.storage_options,
+            store_retry(config),
+            rank,
+            retention(config),
+            config.save_network_weights,
+        )
+    )
 
 
 def discard_host_snapshots(store: CheckpointStore, committer: Committer) -> None:
