@@ -45,6 +45,7 @@ from pathlib import Path
 from uuid import UUID
 
 from bench.common import load_average, parser, progress, record
+from training.run_states import AWAITING_RESTART, PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -328,13 +329,13 @@ def verdict(history: list, run_count: int, equal: bool | None) -> list[str]:
     if max([*crashed_per_attempt, crashed]) > 1:
         wrong.append("two Crashed for one attempt")
     unrestarted = [
-        i for i, kind in enumerate(types) if kind == "CRASHED" and "AwaitingRestart" not in names[i + 1 : i + 2]
+        i for i, kind in enumerate(types) if kind == "CRASHED" and AWAITING_RESTART not in names[i + 1 : i + 2]
     ]
     if unrestarted:  # a Crashed no restart followed: the attempt lived on (or the run stayed dead)
         wrong.append(
             f"Crashed without a restart ({names[unrestarted[0] + 1] if unrestarted[0] + 1 < len(names) else 'last'} next)"
         )
-    restarts = names.count("AwaitingRestart") + names.count("Preempted")
+    restarts = names.count(AWAITING_RESTART) + names.count(PREEMPTED)
     if restarts != max(run_count - 1, 0) or types.count("RUNNING") != run_count:
         wrong.append(f"run_count {run_count}, {types.count('RUNNING')} Running, {restarts} restarts")
     if equal is not True:
@@ -352,7 +353,7 @@ def twin_verdict(history: list, run_count: int) -> list[str]:
         wrong.append(f"the other run ended {names[ends[0]] if ends else names[-1] if names else 'nowhere'}")
     if ends and ends[0] < len(types) - 1:
         wrong.append("the other run's states after its end: " + ", ".join(names[ends[0] + 1 :]))
-    if "CRASHED" in types or "AwaitingRestart" in names or "Preempted" in names or run_count > 1:
+    if "CRASHED" in types or AWAITING_RESTART in names or PREEMPTED in names or run_count > 1:
         wrong.append(f"the other run was marked Crashed or restarted ({', '.join(names)}; run_count {run_count})")
     return wrong
 
@@ -383,7 +384,7 @@ def line(row: Row) -> str:
     done = f"{row.completed_at - row.struck_at:.0f}" if row.completed_at else "-"
     watched = f"{time.monotonic() - row.completed_at:.0f}" if row.completed_at else "-"
     history = " > ".join(h[2] + (f" ({h[3][:70]})" if h[1] == "CRASHED" else "") for h in row.history)
-    restarts = sum(h[2] in ("AwaitingRestart", "Preempted") for h in row.history)
+    restarts = sum(h[2] in (AWAITING_RESTART, PREEMPTED) for h in row.history)
     crashed = sum(h[1] == "CRASHED" for h in row.history)
     return (f"| {row.database} | {row.fault} | {row.history[-1][2] if row.history else '-'} | {history} | "
             f"{row.run_count} | {restarts} | {crashed} | {row.equal} | {first} | {done} | {watched} | "
