@@ -37,6 +37,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CLOSE = "close"
+AGENT_LABEL = "checkpoint agent of pid"  # the writer label of what it commits: "checkpoint agent of pid <trainer>"
 CLOSE_TIMEOUT = 10.0  # seconds a closed agent may take to leave before it is killed (it only has to read EOF)
 # The waiting agent: its orders, then stdin's end, before any import of the product's (torch takes ~1 s of CPU).
 BOOT = (
@@ -222,7 +223,7 @@ def _persist(orders: dict[str, Any]) -> str:
             metadata = {k: v for k, v in record.metadata.items() if k != "claim"}
             progress = dict(record.progress)
             name = store.name_for(progress, record.generation) if metadata.get(INTERMEDIATE) else record.name
-            writer = Writer.current(record.generation, f"checkpoint agent of pid {orders.get('trainer')}")
+            writer = Writer.current(record.generation, f"{AGENT_LABEL} {orders.get('trainer')}")
             request = CommitRequest(
                 store, name, progress, metadata, writer, Retention(**orders["retention"]), {}, objects
             )

@@ -212,6 +212,7 @@ def test_with_s3_a_hard_kill_then_a_relaunch_on_another_machine_loses_at_most_on
     started = STARTED.search(text)
     assert started, text[-4000:]
     assert "host-memory" not in started.group(1), started.group(1)  # B has nothing of A's memory
+    assert "(committed by the checkpoint agent of pid" in started.group(1), started.group(1)  # said where B logs
     assert finished - 1 <= int(started.group(2)) <= finished, (finished, started.groups(), report.group(1))
     assert_same(weights(folder, options), reference)
     assert os.listdir(machine_b) in ([], [f"resumable-train-{os.getuid()}"])

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import torch
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
-from checkpointing.store import STATE_FILE
+from checkpointing.commit.agent import AGENT_LABEL
+from checkpointing.store import STATE_FILE, CheckpointInfo
 from training.config import ConfigError, TrainConfig
 from training.position.iterable import StatefulIterable, prepare_stream
 from training.position.progress import Progress, rescaled
@@ -179,6 +180,13 @@ def _restore_sharded(
     return session, Origin("store", info.name, f"checkpoint {info.name}")
 
 
+def _by_agent(info: CheckpointInfo) -> str:
+    """What the unit's first line adds when the checkpoint agent committed it (checkpointing/commit/agent.py): the
+    agent's own line went where the dead trainer's output went, which a relaunch elsewhere does not see."""
+    label = info.manifest.writer.label
+    return f" (committed by the {label}, after that process died)" if label.startswith(AGENT_LABEL) else ""
+
+
 def _sharded_scaler() -> Any:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -202,7 +210,7 @@ def _load_into(config: TrainConfig, store: CheckpointStore, session: Session) ->
         reposition(config, session)
         if in_memory is not None:
             return Origin("host", loaded.info.name, f"snapshot {loaded.info.name} in this machine's memory")
-        return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}")
+        return Origin("store", loaded.info.name, f"checkpoint {loaded.info.name}{_by_agent(loaded.info)}")
     if config.load_path:
         return _start_from_load_path(config, session, files)
     if session.world.size > 1:
