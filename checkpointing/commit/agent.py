@@ -81,7 +81,8 @@ class Agent:
         """Starts the agent with ``orders`` (see ``persist``); None, with one warning, when it cannot be started."""
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", BOOT],
+                # -I: nothing from the working folder or PYTHON* variables before the orders' sys.path is in place
+                [sys.executable, "-I", "-c", BOOT],
                 stdin=subprocess.PIPE,
                 start_new_session=True,  # a kill of the trainer's process group leaves it
                 close_fds=True,

@@ -113,3 +113,17 @@ def test_a_run_on_s3_starts_its_agent_and_no_agent_outlives_the_run(make_config,
     assert not [pid for pid in children(os.getpid()) if b"checkpointing.commit.agent" in cmdline(pid)]
     store = CheckpointStore(folder, config.run_name, storage_options=options)
     assert "checkpoint agent" not in store.latest(deep=True).manifest.writer.label
+
+
+def test_nothing_in_the_working_folder_runs_in_the_agent(tmp_path, monkeypatch):
+    """The agent starts in the trainer's working folder, which may hold anything (a notebook's folder, a shared one):
+    a ``json.py`` there is not what the waiting agent imports (``python -I``; the orders' sys.path comes after)."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "json.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\nraise SystemExit(3)\n")
+    monkeypatch.chdir(planted)
+    waiting = Agent.start({"save_folder": str(tmp_path)})
+    assert waiting is not None
+    waiting.close()
+    assert waiting.proc.returncode == 0
+    assert not (tmp_path / "ran").exists()
