@@ -21,6 +21,7 @@ def reset() -> None:
 def _forgetters() -> list[Callable[[], None]]:
     """How to forget each thing the process keeps, in the order they are forgotten: the gang's ranks first (they
     run units), the roots a deployment run confined this process to last."""
+    from checkpointing.commit import snapshots
     from checkpointing.io import confine
     from training import preemption
     from training.distributed.gang import close_gangs
@@ -35,6 +36,7 @@ def _forgetters() -> list[Callable[[], None]]:
         close_gangs,  # torchrun's ranks kept for an attempt's units (training/distributed/gang.py)
         PROCESS.forget,  # the last unit's live session (training/unit/warm.py)
         PROCESS.committer.drop_snapshots,  # the run's snapshot slots and threads (checkpointing/commit/snapshots.py)
+        snapshots.close_all,  # any other committer's pipeline still open: its threads and agent
         BUDGETS.clear,  # each run's save times, for the grace budget of a stop (training/unit/loop.py)
         preemption.STOP.clear,  # a pending stop request, and the signals ignored after it
         rng.disown_python_random,  # ``random``'s functions routed by thread, training's thread (training/unit/rng.py)

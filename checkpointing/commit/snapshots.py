@@ -208,6 +208,7 @@ class SnapshotPipeline:
         weakref.finalize(self, unpin_all, self.slots.slots)
         self._held_by_tier = self._newest_on_disk() if tier else None
         self.copies_refused: str | None = None  # why this run's state cannot be copied into slots (``flatten``)
+        _OPEN.add(self)
 
     # -- the training thread ------------------------------------------------------------------------
     def take(
@@ -568,11 +569,14 @@ class SnapshotPipeline:
             self.tier = None
 
     def close(self) -> None:
-        """Finishes the publish and the upload in flight; starts no other."""
+        """Finishes the publish and the upload in flight; starts no other. A second call does nothing."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
+        _OPEN.discard(self)
         self._publisher.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
         self.slots.close()  # its thread ends, every slot is unpinned
@@ -586,6 +590,21 @@ class SnapshotPipeline:
         assert self.tier is not None
         records = list(self.tier.records(self.rank))
         return max(records, key=lambda r: r[1].seq)[0] if records else None
+
+
+_OPEN: weakref.WeakSet[SnapshotPipeline] = weakref.WeakSet()  # the pipelines of this process not yet closed
+
+
+def close_all() -> None:
+    """Lets every pipeline of this process that is still open land its uploads (or fail, logged), then closes it: its
+    threads end, its agent leaves. A run closes its own (``Run.close``); this is what training/process_state.py's
+    reset forgets, for pipelines of committers no run owns (a unit attempted outside a run)."""
+    for pipeline in list(_OPEN):
+        try:
+            pipeline.wait()
+        except Exception as exc:
+            log.warning("a snapshot upload failed: %s: %s", type(exc).__name__, exc)
+        pipeline.close()
 
 
 def _commit_serialized(request: CommitRequest) -> CheckpointInfo:

@@ -77,3 +77,26 @@ def test_no_thread_of_a_run_outlives_it(make_config, tmp_path, ending):
         assert bool(list(tier.records(0))) == (ending != "completed")  # kept for a relaunch here, unless complete
     finally:
         tier.close()
+
+
+def test_the_process_state_reset_closes_a_pipeline_that_no_run_owns(tmp_path):
+    """A unit attempted outside a run (a committer of its own, as several unit tests make) leaves its pipeline open
+    after the unit: the one reset (between tests, between a warm runner's segments) closes it, and its threads end.
+    Before, they lived until a garbage collection, and this module's first assertion failed after such a test."""
+    import torch
+
+    from checkpointing.commit.committer import CommitTerms
+    from checkpointing.commit.snapshots import SnapshotPipeline
+    from checkpointing.manifest import Writer
+    from training import process_state
+
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    pipeline = SnapshotPipeline(store.uri, 0, HostTier(store.uri))  # held here: no collection can close it
+    progress = {"epoch": 0, "step": 1, "samples_seen": 32, "sample_in_epoch": 32}
+    terms = CommitTerms(store, progress, Writer.current(0), {"metrics": {}})
+    pipeline.take({"state.pt": {"w": torch.ones(100)}}, terms, "ep0-ba1-sa32", must_upload=True).pending.wait()
+    assert {"snapshot-publish_0", "snapshot-upload_0"} <= set(run_threads())
+    process_state.reset()
+    assert run_threads() == []
+    assert pipeline._closed
+    HostTier(store.uri).remove()
