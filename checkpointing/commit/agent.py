@@ -180,7 +180,7 @@ def persist(orders: dict[str, Any]) -> int:
 
 
 def _persist(orders: dict[str, Any]) -> str:
-    from checkpointing.commit.committer import INTERMEDIATE, CommitRequest, Retention, finish, with_network_weights
+    from checkpointing.commit.committer import CommitTerms, Retention, finish, snapshot_request
     from checkpointing.errors import FencedError, TierUnavailable
     from checkpointing.fencing import Lease
     from checkpointing.host_tier.gc import not_resumable
@@ -219,15 +219,10 @@ def _persist(orders: dict[str, Any]) -> str:
             objects = verified(tier, index, record, rank)
             if objects is None:
                 return f"nothing to commit: snapshot {record.name} does not verify"
-            if orders["network_weights"]:
-                objects = with_network_weights(objects)
             metadata = {k: v for k, v in record.metadata.items() if k != "claim"}
-            progress = dict(record.progress)
-            name = store.name_for(progress, record.generation) if metadata.get(INTERMEDIATE) else record.name
             writer = Writer.current(record.generation, f"{AGENT_LABEL} {orders.get('trainer')}")
-            request = CommitRequest(
-                store, name, progress, metadata, writer, Retention(**orders["retention"]), {}, objects
-            )
+            terms = CommitTerms(store, dict(record.progress), writer, metadata, Retention(**orders["retention"]))
+            request = snapshot_request(terms, record.name, objects, network_weights=orders["network_weights"])
             t0 = time.perf_counter()
             info = finish(request, drop_superseded=True)
         except FencedError:

@@ -158,6 +158,27 @@ def request(
     )
 
 
+def snapshot_request(terms: CommitTerms, name: str, objects: dict[str, Any], *, network_weights: bool) -> CommitRequest:
+    """The commit of a snapshot from host memory (the upload thread's, or the checkpoint agent's after a death):
+    ``objects`` streamed, plus ``weights.pt`` with ``network_weights``; a snapshot inside a unit (``INTERMEDIATE``) is
+    named now, not when it was taken (naming reads the store). ``finish(..., drop_superseded=True)`` ends it."""
+    if network_weights:
+        objects = with_network_weights(objects)
+    if terms.metadata.get(INTERMEDIATE):
+        name = terms.store.name_for(terms.progress, terms.writer.generation)
+    return CommitRequest(terms.store, name, dict(terms.progress), terms.metadata, terms.writer, terms.retention, {},
+                         objects)  # fmt: skip
+
+
+def land_and_close(pipeline: Background) -> None:
+    """Lets a pipeline's uploads land (or fail, logged), then closes it."""
+    try:
+        pipeline.wait()
+    except Exception as exc:
+        log.warning("a snapshot upload failed: %s: %s", type(exc).__name__, exc)
+    pipeline.close()
+
+
 def with_network_weights(objects: dict[str, Any]) -> dict[str, Any]:
     """``objects`` plus ``weights.pt`` holding ``state.pt``'s ``["state"]["model"]`` (the same tensors, written twice:
     a file that ``torch.load(f, weights_only=True)`` turns into a state_dict with no knowledge of this product)."""
@@ -228,11 +249,7 @@ class Committer:
         """Lets the pipeline's uploads land (or fail, logged), then closes it."""
         pipeline, self.snapshots, self._snapshots_key = self.snapshots, None, ()
         if pipeline is not None:
-            try:
-                pipeline.wait()
-            except Exception as exc:
-                log.warning("a snapshot upload failed: %s: %s", type(exc).__name__, exc)
-            pipeline.close()
+            land_and_close(pipeline)
 
     def commit(self, request: CommitRequest) -> PendingCommit:
         """Commits ``request`` before returning (after any commit still in flight)."""

@@ -47,7 +47,8 @@ from checkpointing.commit.committer import (
     CommitTerms,
     PendingCommit,
     finish,
-    with_network_weights,
+    land_and_close,
+    snapshot_request,
 )
 from checkpointing.commit.slots import SlotPool, unpin_all
 from checkpointing.host_tier.tier import (
@@ -482,14 +483,11 @@ class SnapshotPipeline:
                 return
             assert job.slot is not None
             entries = [job.slot.tensor(e) for e in job.entries]
-            objects = rebuild(job.tree, entries)
-            if job.network_weights:
-                objects = with_network_weights(objects)
             t = job.terms
             level = logging.DEBUG if t.metadata.get(INTERMEDIATE) else logging.INFO  # not a line a step
-            if t.metadata.get(INTERMEDIATE):  # named here, not on the training thread (naming reads the store)
-                job.name = t.store.name_for(t.progress, t.writer.generation)
-            request = CommitRequest(t.store, job.name, dict(t.progress), t.metadata, t.writer, t.retention, {}, objects)
+            objects = rebuild(job.tree, entries)
+            request = snapshot_request(t, job.name, objects, network_weights=job.network_weights)
+            job.name = request.name  # a snapshot inside a unit is named here, not on the training thread
             log.log(level, "writing checkpoint %s to %s", job.name, redact_uri(t.store.uri))
             t0 = time.perf_counter()
             # A transient fault mid-stream fails the whole file: finish tries the commit again (under the
@@ -600,11 +598,7 @@ def close_all() -> None:
     threads end, its agent leaves. A run closes its own (``Run.close``); this is what training/process_state.py's
     reset forgets, for pipelines of committers no run owns (a unit attempted outside a run)."""
     for pipeline in list(_OPEN):
-        try:
-            pipeline.wait()
-        except Exception as exc:
-            log.warning("a snapshot upload failed: %s: %s", type(exc).__name__, exc)
-        pipeline.close()
+        land_and_close(pipeline)
 
 
 def _commit_serialized(request: CommitRequest) -> CheckpointInfo:
