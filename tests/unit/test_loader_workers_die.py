@@ -95,6 +95,38 @@ def _semaphores() -> set[str]:
     return {name for name in os.listdir(lifetimes.SHM) if name.startswith(lifetimes.SEMAPHORE_PREFIX)}
 
 
+def _semaphores_of(pid: int, group: bool = False) -> set[str]:
+    """The semaphores in /dev/shm that ``pid`` (with ``group``: any process of the group it leads) maps, by inode: what
+    a test's own processes made, never another xdist worker's (which come and go in the same folder meanwhile)."""
+    device = os.stat(lifetimes.SHM).st_dev
+    device_field = f"{os.major(device):02x}:{os.minor(device):02x}"
+    pids = [p for p in os.listdir("/proc") if p.isdigit() and (p == str(pid) or (group and _group_of(p) == pid))]
+    inodes = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/maps", encoding="utf-8", errors="replace") as maps:
+                inodes |= {
+                    int(f[4]) for f in (line.split(maxsplit=5) for line in maps) if len(f) > 4 and f[3] == device_field
+                }
+        except (OSError, ValueError):
+            continue
+    found = set()
+    for name in _semaphores():
+        try:
+            if os.stat(os.path.join(lifetimes.SHM, name)).st_ino in inodes:
+                found.add(name)
+        except OSError:
+            continue
+    return found
+
+
+def _group_of(pid: str) -> int | None:
+    try:
+        return os.getpgid(int(pid))
+    except (OSError, ValueError):
+        return None
+
+
 def _trainer_in_its_own_group(tmp_path, name: str) -> subprocess.Popen:
     """A trainer-like process (the product's loader set-up) leading a process group of its own, its workers up."""
     script = tmp_path / "trainer.py"
@@ -121,17 +153,18 @@ def test_the_semaphores_a_killed_group_leaves_are_removed_and_a_live_loaders_kep
     /dev/shm; the sweep a loader runs before it starts its workers removes them once they are old enough, and never a
     live loader's (mapped by it and its workers), a lock that only its maker maps (glibc made it under another name,
     so the maker's mapping does not read the name), or another user's."""
-    before = _semaphores()
     live = _trainer_in_its_own_group(tmp_path, "live")
     maker = subprocess.Popen(  # a lock no child opened: only its maker maps it, under the name it was made with
         [sys.executable, "-c", MAKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         assert maker.stdout is not None and maker.stdout.readline().strip() == "made"
-        live_names = _semaphores() - before
+        made = _semaphores_of(maker.pid)
+        live_names = _semaphores_of(live.pid, group=True) | made  # by mapping: other workers' tests share /dev/shm
         victim = _trainer_in_its_own_group(tmp_path, "victim")
-        left = _semaphores() - before - live_names
+        left = _semaphores_of(victim.pid, group=True) - live_names
         _kill_group(victim)
+        assert made and not made & left
         assert live_names and left and left <= _semaphores()  # the leak is real: the names outlive their group
 
         assert not set(lifetimes.remove_orphaned_semaphores(older_than=3600)) & left  # too young: kept
