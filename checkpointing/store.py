@@ -63,6 +63,7 @@ from checkpointing.serialization import safe_load, serialize
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
+SHARDED_FORMAT = "dcp"  # manifest.metadata["format"] of a sharded checkpoint (checkpointing/commit/sharded.py)
 # (store URI, checkpoint name) being written by this process, whichever store object writes it: a claim's clean-up
 # of torn folders (torn.py) never removes one (a snapshot pipeline of an earlier run may still be uploading)
 _WRITING: set[tuple[str, str]] = set()
@@ -105,6 +106,12 @@ class CheckpointInfo:
     @property
     def metrics(self) -> dict[str, float]:
         return dict(self.manifest.metadata.get("metrics") or {})
+
+    @property
+    def sharded(self) -> bool:
+        """Written by ``checkpointing.commit.sharded`` (DCP shards, parallelism='fsdp'); readable without importing
+        it (DCP takes ~0.1 s to import, which a run that never shards need not pay)."""
+        return self.manifest.metadata.get("format") == SHARDED_FORMAT
 
 
 @dataclass

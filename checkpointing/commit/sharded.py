@@ -48,6 +48,7 @@ from checkpointing.manifest import FileEntry, Writer
 from checkpointing.serialization import check_unpacked_size
 from checkpointing.store import (
     CHECKPOINTS,
+    SHARDED_FORMAT,
     CheckpointInfo,
     CheckpointStore,
     read_vouched,
@@ -57,13 +58,13 @@ from checkpointing.store import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = "dcp"  # manifest.metadata["format"] of a sharded checkpoint
+FORMAT = SHARDED_FORMAT  # manifest.metadata["format"] of a sharded checkpoint
 DCP_METADATA = ".metadata"
 _SMALL_ITEM = 256 * 1024  # items under this go to a rank's small file, which other ranks may need whole
 
 
 def is_sharded(info: CheckpointInfo) -> bool:
-    return info.manifest.metadata.get("format") == FORMAT
+    return info.sharded
 
 
 # -- save -----------------------------------------------------------------------------------------

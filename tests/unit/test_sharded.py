@@ -234,3 +234,17 @@ def test_a_ddp_launch_on_a_sharded_run_is_refused_not_silently_restarted(tmp_pat
     two_sharded((str(tmp_path / "runs"), None))
     with pytest.raises(ConfigError, match=r"checkpoint s2 is sharded \(written with parallelism='fsdp'\)"):
         run_unit(make_config(save_folder=str(tmp_path / "runs"), run_name="r"))
+
+
+def test_a_run_without_fsdp_refuses_its_sharded_latest_in_one_line_naming_the_fix(tmp_path, make_config, train_run):
+    """The check reads the manifest alone (CheckpointInfo.sharded): a run that never shards does not import DCP."""
+    from training.config import ConfigError
+
+    config = make_config(run_name="r")
+    store = CheckpointStore(config.save_folder, "r")
+    sharded.save_state(store, "s1", state(1), progress={"samples_seen": 10}, writer=Writer.current(1))
+    assert store.latest().sharded and sharded.is_sharded(store.latest())
+    with pytest.raises(ConfigError, match=r"checkpoint s1 is sharded \(written with parallelism='fsdp'\); resume it "
+                                          r"with parallelism='fsdp'.*python -m checkpointing export"):  # fmt: skip
+        train_run(config)
+    assert store.read_pointer()["name"] == "s1" and [i.name for i in store.list()] == ["s1"]

@@ -295,10 +295,8 @@ def _restore_rng(session: Session, state: dict[str, Any] | None, info: Any) -> N
 
 
 def _refuse_sharded(store: CheckpointStore) -> None:
-    from checkpointing.commit import sharded
-
     latest = store.latest()
-    if latest is not None and sharded.is_sharded(latest):
+    if latest is not None and latest.sharded:
         raise ConfigError(
             f"checkpoint {latest.name} is sharded (written with parallelism='fsdp'); resume it with "
             f"parallelism='fsdp' at any number of processes, or export it: python -m checkpointing export {latest.uri}"
