@@ -41,6 +41,7 @@ def _forgetters() -> list[Callable[[], None]]:
         preemption.STOP.clear,  # a pending stop request, and the signals ignored after it
         rng.disown_python_random,  # ``random``'s functions routed by thread, training's thread (training/unit/rng.py)
         loader._allowed_in_process.clear,  # recipes a command line allowed for itself (``allow_recipe``)
+        loader.installed_recipes.cache_clear,  # the installed packages' recipe entry points, read once
         preflight._passed.clear,  # configs whose recipe was already built once (training/start/preflight.py)
         warm_start._passed.clear,  # load_paths already checked against the recipe (training/start/warm_start.py)
         metrics_log.close_all,  # the runs' TensorBoard writers and MLflow runs (training/metrics/log.py)
