@@ -2,7 +2,8 @@
 
 Proves what the product promises for deployments: prefect.yaml's nightly schedule creates runs; the
 install leaves no automation and one heartbeat window; `prefect deployment run` completes with checkpoints and artifacts; a
-flow-run process killed mid-unit comes back as the same flow run and resumes from its last checkpoint; a
+flow-run process killed mid-unit comes back as the same flow run exactly once, never Failed, and resumes from its
+last checkpoint, while `deployments.outcome` waits through the Crashed to Completed; a
 run that keeps dying stops at max_restarts as Failed; scheduled retraining warm-starts from the released
 model and promotes only models that are not worse, gives two ticks in one minute runs of their own, and
 resumes a killed tick under its own name; a whole dead machine (worker and run, nobody left to report)
@@ -34,10 +35,12 @@ from prefect.automations import AutomationCore, ChangeFlowRunState, EventTrigger
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 from prefect.client.schemas.objects import StateType
 
+from checkpointing import CheckpointStore
 from deployments.automations import DEFAULT_DEPLOYMENTS, HEARTBEAT_LOST, OBSOLETE, WINDOW_VARIABLE, window_seconds
 from deployments.stack import install_automations, worker_threads
 from tests.integration.conftest import HEARTBEAT_WITHIN_SECONDS
 from tests.integration.stack_client import (
+    ROOT,
     SYNTHETIC,
     alive_attempts,
     artifact,
@@ -169,12 +172,18 @@ def test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes(prefec
     assert list(checkpoints(folder, "killed")) == ["ep1-ba8-sa256"]
     os.kill(victim, signal.SIGKILL)
 
-    run = wait_for_state(prefect_stack, run_id, StateType.COMPLETED)
+    # How a user of `prefect deployment run` waits for the real outcome: Crashed on the way is not it.
+    waited = subprocess.run([sys.executable, "-m", "deployments.outcome", str(run_id), "--timeout", "400"],
+                            cwd=ROOT, env=prefect_stack.env(), capture_output=True, text=True, timeout=460)  # fmt: skip
+    assert waited.returncode == 0 and waited.stdout.startswith(f"flow run {run_id}: Completed"), waited
+    run = read_run(prefect_stack, run_id)
     assert run.id == run_id and run.run_count >= 2
     names = state_names(prefect_stack, run_id)
-    # one death: one Crashed (the worker's late report of the same exit is not sent), one restart, then Completed
-    assert names.count("Crashed") == 1 and names.count("AwaitingRestart") == 1, names
+    # one death: one Crashed (the worker's late report of the same exit is not sent), one restart, then Completed;
+    # never Failed on the way
+    assert names.count("Crashed") == 1 and names.count("AwaitingRestart") == 1 and "Failed" not in names, names
     assert run.run_count == 2 and names[-1] == "Completed", names
+    assert CheckpointStore(str(folder), "killed").fence.newest() == 2  # exactly one new attempt claimed the run
     saved = checkpoints(folder, "killed")
     assert sorted(saved) == ["ep1-ba8-sa256", "ep2-ba16-sa512", "ep3-ba24-sa768"]
     # ep1 is still the killed process's; the restarted process resumed from it rather than starting over.
