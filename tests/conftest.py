@@ -128,7 +128,9 @@ def prefect_env(prefect_harness) -> dict[str, str]:
     """Environment for a child process that should use this session's Prefect server (no startup cost)."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
+    # not the test that first asked for it (PYTEST_CURRENT_TEST), which every later child would carry: a CPU account of
+    # the suite by test reads it from the children's environments
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_") and k != "PYTEST_CURRENT_TEST"}
     env.update(
         TRAIN_ALLOWED_RECIPES=TEST_RECIPES,
         TRAIN_HOST_TIER_DIR=HOST_TIER_DIR,
