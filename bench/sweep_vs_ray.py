@@ -180,10 +180,12 @@ def run_ray(t0: float, folder: str) -> dict[str, Any]:
         )
         results = tuner.fit()
         best = results.get_best_result(METRIC, MODE, scope="all")
-        history = best.metrics_dataframe
+        history, metrics, config = best.metrics_dataframe, best.metrics, best.config
+        if history is None or metrics is None or config is None:
+            raise RuntimeError(f"Ray kept no metrics or config of its best trial: {best}")
         value = float(history[METRIC].min() if MODE == "min" else history[METRIC].max())
-        trial_id = best.metrics["trial_id"]
-        return {"best_trial": trial_id, "best_params": best.config["params"], "best_metric": value,
+        trial_id = metrics["trial_id"]
+        return {"best_trial": trial_id, "best_params": config["params"], "best_metric": value,
                 "to_best": seen[trial_id][-1], "units": sum(len(v) for v in seen.values()),
                 "trials": len(results), "per_trial": [len(seen[k]) for k in sorted(seen)], "launches": len(seen),
                 "note": f"Ray {ray.__version__}, ray.init(num_cpus=2)"}  # fmt: skip
