@@ -155,3 +155,39 @@ def test_a_snapshot_that_waits_for_a_slot_that_cannot_be_made_fails_instead_of_w
         assert raised is not None and "no room" in str(raised)
     finally:
         pipeline.close()
+
+
+def test_a_unit_checkpoint_is_in_flight_from_the_moment_it_is_taken_not_only_once_published(tmp_path):
+    """A next unit that starts while the last unit's checkpoint is still being published to the tier (checksummed
+    and recorded, before its upload is queued) asks ``in_flight`` whether to go on from memory: it must get that
+    checkpoint's name. It got None, so the unit threw its warm session away, waited for the upload and downloaded
+    what it had in memory (found by test_store_faults once a unit's start got faster). Publication is held on an
+    event here, not raced."""
+    store = CheckpointStore(str(tmp_path / "runs"), "r")
+    pipeline = SnapshotPipeline(store.uri, 0, HostTier(store.uri, root=str(tmp_path / "tier")))
+    gate, publishing = threading.Event(), threading.Event()
+    record = pipeline._record
+
+    def held(job):
+        publishing.set()
+        assert gate.wait(SECONDS)
+        record(job)
+
+    pipeline._record = held  # type: ignore[method-assign]
+    try:
+        take(pipeline, store, 3)  # inside a unit: uploaded only if it is the newest when the thread rests no more
+        assert publishing.wait(SECONDS)
+        assert pipeline.in_flight() is None  # not a checkpoint a next unit starts from
+        gate.set()
+        pipeline._wait_published()
+        gate.clear()
+        publishing.clear()
+        taken = take(pipeline, store, 8, must_upload=True)  # a unit's last
+        assert publishing.wait(SECONDS)
+        assert pipeline.in_flight() == "ep0-ba8-sa256"  # while its publication is held
+        gate.set()
+        assert taken.pending.wait().name == "ep0-ba8-sa256"
+        assert pipeline.in_flight() is None  # committed
+    finally:
+        gate.set()
+        pipeline.close()
