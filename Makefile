@@ -130,7 +130,7 @@ worker: install
 	$(STACK) worker
 
 # The end-to-end deployment tests alone (real server, worker and signals; about 3-4 minutes), on SQLite, or on
-# PostgreSQL with DB=postgres. `make test` runs the whole module on one and its crash-restart tests on the other
+# PostgreSQL with DB=postgres. `make test` runs the whole module on one and its crash-restart test on the other
 # (tests/integration/test_deployments_postgres.py).
 test-deployments: install
 	TEST_STACK_DATABASE=$(or $(DB),sqlite) $(PY) -m pytest -q --durations=0 tests/integration/test_deployments.py

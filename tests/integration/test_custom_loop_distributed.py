@@ -1,10 +1,11 @@
 """A loop of the user's own on 2 processes: Ray Train's checkpointing example (recipes/ray_port.py) under real
-torchrun, SIGKILLed as a whole and by one rank, resuming exactly from its last report.
+torchrun, one of its ranks SIGKILLed, resuming exactly from its last report.
 
-The flow-run process is killed with SIGKILL: its rank processes die with it (nothing outlives the unit), and the
-same command again resumes from the last report. One rank killed: the gang ends cleanly (no hang), Prefect's retry
-starts a fresh gang, and ``get_checkpoint()`` on every rank returns the last report. Both end torch.equal to an
-uninterrupted 2-process run.
+One rank killed: the gang ends cleanly (no hang), Prefect's retry starts a fresh gang, and ``get_checkpoint()`` on
+every rank returns the last report; the run ends torch.equal to an uninterrupted 2-process run. The SIGKILL of the
+whole flow-run process (its ranks die with it, the same command again resumes from the last report) is
+tests/integration/test_own_loop_ranks.py::test_each_rank_resumes_its_own_rng_and_rank_state_after_a_sigkill_of_the_
+launcher, on a loop of the same kind whose ranks also draw their own randomness (merged there, issue 47).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ import torch
 from checkpointing import CheckpointStore
 from checkpointing.store import STATE_FILE
 from tests.conftest import ROOT
-from tests.procs import alive, ranks_of, wait_until
+from tests.procs import ranks_of, wait_until
 
 pytestmark = pytest.mark.slow
 RAY = "tests.own_loop_recipes:SlowRayPortRecipe"
@@ -60,30 +60,6 @@ def reference(tmp_path_factory, prefect_env) -> dict[str, torch.Tensor]:
     proc = run(command(folder, "ref"), prefect_env, folder / "log")
     assert proc.wait(timeout=300) == 0, (folder / "log").read_text()[-3000:]
     return final_weights(folder, "ref")
-
-
-def test_sigkill_of_the_run_takes_its_ranks_along_and_the_relaunch_resumes_from_the_last_report(
-    tmp_path, prefect_env, reference
-):
-    proc = run(command(tmp_path, "k"), prefect_env, tmp_path / "killed.log")
-    wait_until(lambda: reports(tmp_path, "k") >= 5, proc, "5 reports", poll=0.02)
-    ranks = ranks_of(proc.pid)
-    assert len(ranks) == 2
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 15
-    while any(map(alive, ranks)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(alive, ranks)), "rank processes outlived the killed run"
-    killed_at = reports(tmp_path, "k")
-
-    again = run(command(tmp_path, "k"), prefect_env, tmp_path / "relaunched.log")
-    assert again.wait(timeout=300) == 0, (tmp_path / "relaunched.log").read_text()[-3000:]
-
-    log = (tmp_path / "relaunched.log").read_text()
-    assert f"the run's newest report is ep{killed_at}-" in log
-    got = final_weights(tmp_path, "k")
-    assert all(torch.equal(got[k], reference[k]) for k in reference)
 
 
 def test_a_killed_rank_ends_the_attempt_cleanly_and_the_retry_resumes_from_the_last_report(

@@ -2,11 +2,14 @@
 
 test_deployments.py runs every deployment test on SQLite (the zero-set-up default of `make stack`). On SQLite a
 write that collided with a state change was retried (in older versions, the restart automation's, which restarted a
-crashed run again each time; deployments/automations.py): the crash -> restart tests are the ones a database can break,
-so they run here too, with their assertions unchanged, on a PostgreSQL server started for this module. The rest
-passed on PostgreSQL as well (`make test-deployments DB=postgres`, docs/deployments-postgres.md), and would only
-repeat minutes of training here. The last test proves the state really is in PostgreSQL and that its password
-reaches the server alone.
+crashed run again each time; deployments/automations.py): a crash -> restart is what a database can break, so the
+killed flow-run test runs here too, with its assertions unchanged, on a PostgreSQL server started for this module:
+one Crashed, one AwaitingRestart, run_count 2, never Failed, one new fence, the outcome waiter's Completed. The killed
+nightly tick (the same crash and restart, of a run that a schedule named) ran here as well until issue 47; it adds a
+schedule's name and a train subflow, which the database does not decide, and it runs on SQLite. The rest passed on
+PostgreSQL as well (`make test-deployments DB=postgres`, docs/deployments-postgres.md), and would only repeat minutes
+of training here. The last test proves the state really is in PostgreSQL and that its password reaches the server
+alone.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from deployments import postgres
 from tests.integration.conftest import processes_mentioning
 from tests.integration.stack_client import client, start_run
 from tests.integration.test_deployments import (  # noqa: F401 - collected here, on this module's stack
-    test_a_killed_tick_is_restarted_under_its_own_name_and_resumes_its_own_checkpoints,
     test_killed_flow_run_process_is_restarted_as_the_same_run_and_resumes,
 )
 from tests.procs import environ

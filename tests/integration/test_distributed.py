@@ -123,6 +123,9 @@ def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_conf
     assert (result.epoch, result.samples_seen) == (3, 12000)
     assert [u.unit for u in result.units] == [0, 1, 2]
     assert result.units[1].resumed_from == f"checkpoint {result.units[0].checkpoint_name}"
+    # the retry was for a crash of the killed rank, named with its signal, not for a preemption (a survivor that
+    # torchrun stopped with SIGTERM is no evidence of one: training/distributed/deaths.py)
+    assert result.units[1].previous_failure.startswith("RankDied: rank 1 died (SIGKILL, exit -9)"), result.units[1]
     assert json.loads(pointer.read_text())["name"] == result.units[-1].checkpoint_name
     assert rank_processes(rank=None) == []  # no orphan ranks left behind
     # The killed attempt trained part of unit 1; the retry trained unit 1 again from its checkpoint, so unit 1's

@@ -1,7 +1,9 @@
 """A loop of the user's own on 2 processes under real torchrun: every rank's own state, and ranks that do not meet.
 
 Each rank draws its own randomness (the global RNG seeded by rank, and a generator kept in ``rank_state``); after a
-SIGKILL of the launcher the relaunch ends torch.equal to an uninterrupted run, with no gather written by the user.
+SIGKILL of the launcher its ranks die with it (nothing outlives the unit) and the relaunch resumes from the last
+report and ends torch.equal to an uninterrupted run, with no gather written by the user. (That kill is the one of
+test_custom_loop_distributed.py too, whose own test of it was merged here: issue 47.)
 Ray's habit of reporting from rank 0 only (rank 1 goes on to its next DDP step) ends the run with an error that says
 what to do within seconds, and a SIGTERM ends a rank's wait at a report long before that timeout.
 """
@@ -76,6 +78,7 @@ def test_each_rank_resumes_its_own_rng_and_rank_state_after_a_sigkill_of_the_lau
     deadline = time.monotonic() + 15
     while any(map(alive, ranks)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert len(ranks) == 2 and not any(map(alive, ranks)), "rank processes outlived the killed run"
     killed_at = reports(tmp_path, "k")
     assert 5 <= killed_at < EPOCHS
 

@@ -141,14 +141,15 @@ def temporary_server_env(prefect_env: dict[str, str]) -> dict[str, str]:
 @pytest.mark.parametrize("when", ["start-up", "mid-step", "mid-eval", "mid-commit"])
 def test_sigterm_at_any_point_costs_no_step_and_the_relaunch_is_bit_identical(when, tmp_path, prefect_env, reference):
     folder, record = str(tmp_path / "runs"), tmp_path / "ids"
-    cmd = command(folder, record, "p")
+    run_name = f"p-{when}-{os.getpid()}"  # the flow run's name too: one of its own on the session's server
+    cmd = command(folder, record, run_name)
     env = temporary_server_env(prefect_env) if when == "start-up" else prefect_env
     launch = Launch(cmd, env, tmp_path / "killed.log")
     chance = random.Random(f"{when}-{os.getpid()}")
     if when == "start-up":  # imports, the temporary Prefect server's start, the flow's start
         time.sleep(chance.uniform(0.3, 3.0))
     elif when == "mid-step":
-        launch.wait_until(lambda: Path(folder, "p", "latest").exists() and phase(record) == "step", "a step")
+        launch.wait_until(lambda: Path(folder, run_name, "latest").exists() and phase(record) == "step", "a step")
         time.sleep(chance.uniform(0.0, ARGS["step_seconds"]))
     elif when == "mid-eval":
         launch.wait_until(lambda: phase(record) == "eval", "an evaluation")
@@ -161,9 +162,16 @@ def test_sigterm_at_any_point_costs_no_step_and_the_relaunch_is_bit_identical(wh
     if when == "start-up":  # -15: the signal came before Python had imported the handler
         assert code in (EXIT_CODE, -signal.SIGTERM), launch.text()[-3000:]
     else:
-        assert code == EXIT_CODE, launch.text()[-3000:]
-        assert "preempted by SIGTERM: stopped at step" in launch.text()
-        store = CheckpointStore(folder, "p")
+        out = launch.text()
+        assert code == EXIT_CODE, out[-3000:]
+        # Prefect's engine shows a BaseException as a crash (two ERROR lines, "Crash detected!", Crashed): a polite
+        # stop must read as what it was, one line, and a flow run Cancelled, named Preempted
+        assert len(error_lines(out)) == 1 and "preempted by SIGTERM: stopped at step" in error_lines(out)[0], out[
+            -3000:
+        ]
+        assert "Crash" not in out and " ERROR " not in out and "| ERROR" not in out, out[-3000:]
+        assert flow_run_state(run_name) == ("CANCELLED", "Preempted", True)
+        store = CheckpointStore(folder, run_name)
         assert store.check(store.latest(), deep=True) == []  # the preemption checkpoint verifies
     assert seconds < GRACE, f"left {seconds:.1f} s after SIGTERM"
     assert launch.leftovers() == [], "processes of the preempted run are still running"
@@ -173,8 +181,20 @@ def test_sigterm_at_any_point_costs_no_step_and_the_relaunch_is_bit_identical(wh
 
     assert steps_trained(record) - STEPS <= 1, f"{steps_trained(record) - STEPS} step(s) trained again"
     assert steps_trained(record) >= STEPS and before <= STEPS
-    got = model_of(folder, "p")
+    got = model_of(folder, run_name)
     assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+def flow_run_state(run_name: str) -> tuple[str, str, bool]:
+    """The type and name of the first flow run named ``run_name``, and whether its message says where it stopped."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        first = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])),
+                                      sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1)[0]  # fmt: skip
+    return first.state.type.value, first.state.name, "stopped at step" in (first.state.message or "")
 
 
 def test_sigterm_while_the_previous_checkpoint_uploads_to_s3_finishes_it_then_commits_and_resumes(
@@ -302,26 +322,3 @@ def test_a_second_ctrl_c_aborts_at_once_with_one_line(tmp_path, prefect_env):
     info = store.latest(deep=True)
     assert info.progress["step"] == step and store.check(info, deep=True) == []  # the step it left was not saved
     assert launch.leftovers() == []
-
-
-def test_a_sigterm_ends_the_cli_flow_run_cancelled_preempted_with_one_line_never_crashed(tmp_path, prefect_env):
-    """Prefect's engine shows a BaseException as a crash (two ERROR lines, "Crash detected!", Crashed): a polite
-    stop at the terminal must read as what it was."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-
-    folder, record = str(tmp_path / "runs"), tmp_path / "ids"
-    run_name = f"polite-{os.getpid()}"
-    launch = Launch(command(folder, record, run_name), prefect_env, tmp_path / "stopped.log")
-    launch.wait_until(lambda: Path(folder, run_name, "latest").exists() and phase(record) == "step", "a step")
-
-    code, _ = launch.terminate()
-
-    out = launch.text()
-    assert code == EXIT_CODE, out[-3000:]
-    assert len(error_lines(out)) == 1 and "preempted by SIGTERM: stopped at step" in error_lines(out)[0], out[-3000:]
-    assert "Crash" not in out and " ERROR " not in out and "| ERROR" not in out, out[-3000:]
-    with get_client(sync_client=True) as client:
-        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
-    assert (run.state.type.value, run.state.name) == ("CANCELLED", "Preempted"), run.state
-    assert "stopped at step" in (run.state.message or "")

@@ -128,8 +128,11 @@ def ddp_state(config) -> dict[str, torch.Tensor]:
     return store.load(store.latest(), files=["state.pt"]).objects["state.pt"]["state"]["model"]
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_a_ddp_rank_killed_mid_unit_is_a_crash_of_that_rank(tmp_path, train_run, ddp_reference, victim):
+# Rank 1 killed mid-unit: tests/integration/test_distributed.py::test_killing_one_rank_fails_the_unit_cleanly_and_the_
+# retry_resumes (DDP and FSDP: the retry's recorded failure is RankDied naming rank 1 and SIGKILL, the retry resumes
+# from the checkpoint, no rank is left) and test_a_rank_killed_while_the_other_waits_... above (bit-identical end).
+def test_a_ddp_rank_killed_mid_unit_is_a_crash_of_that_rank(tmp_path, train_run, ddp_reference):
+    victim = 0  # the rank that commits: its death is a crash too, named, and the retry ends bit-identical
     config = ddp_config(tmp_path)
     outcome: dict = {}
     runner = threading.Thread(target=lambda: outcome.update(error=_raised(train_run, config)))
