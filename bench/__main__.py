@@ -22,6 +22,7 @@ BENCHES = {
     "units": "bench.units",
     "preemption": "bench.preemption",
     "snapshots": "bench.snapshots",
+    "contention": "bench.contention",
     "gpu_snapshot": "bench.gpu_snapshot",
     "streaming": "bench.streaming",
     "formats": "bench.formats",

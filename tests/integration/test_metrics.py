@@ -21,6 +21,7 @@ import pytest
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from tests.conftest import ROOT
+from tests.deadlines import time_scale
 from tests.unit.test_metrics_log import purge_steps, scalars
 
 pytestmark = pytest.mark.slow
@@ -50,10 +51,10 @@ def mlflow_server(tmp_path_factory):
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 180 * time_scale()
         while True:
             assert proc.poll() is None, (folder / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server did not start in 180 s"
+            assert time.monotonic() < deadline, "mlflow server did not start in 180 s x load (TEST_TIME_SCALE)"
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
                     break
@@ -79,7 +80,7 @@ def launch(cmd: list[str], env: dict, log: Path, kill_at_line: str | None = None
     """Runs ``cmd`` to its end, or SIGKILLs its process group once its output holds ``kill_at_line``."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 300 * time_scale()
         while kill_at_line is not None and time.monotonic() < deadline:
             if kill_at_line in log.read_text():
                 os.killpg(proc.pid, signal.SIGKILL)
