@@ -29,6 +29,7 @@ from checkpointing.errors import LedgerError
 from checkpointing.io.storage import Storage
 from checkpointing.store import STATE_FILE
 from deployments.stack import descendants
+from tasks.trial_runner import FOLDER_PREFIX
 from tests.conftest import ROOT
 from tests.procs import alive, cmdline
 from training.preemption import EXIT_CODE
@@ -229,15 +230,27 @@ def assert_no_run_started_over(texts: list[str], before_kill: list[dict[str, boo
         assert sum(s.count("no checkpoint") for s in logged) == 1 + restarted, (run, logged, before_kill)
 
 
+def runner_folders(tmp: Path) -> list[str]:
+    """What sweeps left in their temporary folder: the warm runners' trial files (tasks/trial_runner.py)."""
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith((FOLDER_PREFIX, "trial-")))
+
+
 def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, prefect_env, reference):
-    folder, chance = tmp_path / "runs", random.Random(35)
+    """Each kill is a SIGKILL of the sweep alone (``Launch.kill``): its warm runners, idle or training, die with it
+    (PR_SET_PDEATHSIG). Its trial folder (<tmp>/sweep-runners-<pid>-*) stays, since nothing of it ran to remove it; the
+    next launch removes it, and the last removes its own at its end: nothing of any launch is left in the temporary
+    folder (what test_warm_runners.py tested with a kill of its own, merged here: issue 47)."""
+    folder, chance, tmp = tmp_path / "runs", random.Random(35), tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**prefect_env, "TMPDIR": str(tmp)}
     texts: list[str] = []
     before_kill: list[dict[str, bool]] = []  # per killed launch: which runs had a checkpoint when it died
+    left: list[Path] = []  # the trial folders the kills left
     # a random moment, one mid-unit, one right after a segment's result, one right after any ledger event (one draw
     # each: a second random "delay" here was a second seed of the first scenario, issue 47)
     moments = ["delay", "training", "segment_finished", ""]
     for i, moment in enumerate(moments):
-        launch = Launch(folder, prefect_env, tmp_path / f"launch{i}.log")
+        launch = Launch(folder, env, tmp_path / f"launch{i}.log")
         try:
             wait_for_moment(launch, moment, chance, reference["seconds"])
             launch.kill()
@@ -246,7 +259,10 @@ def test_sweep_killed_anywhere_continues_with_no_trial_starting_over(tmp_path, p
         texts.append(launch.text())
         runs = [t["run_name"] for t in Study.fold(events(folder)).summary()["trials"]]
         before_kill.append({run: committed(folder, run) is not None for run in runs})
-    texts.append(Launch(folder, prefect_env, tmp_path / "last.log").finish())
+        left += [p for p in tmp.glob(f"{FOLDER_PREFIX}{launch.proc.pid}-*") if list(p.glob("runner-*.json"))]
+    assert left, f"no kill left a trial folder of its runners: {runner_folders(tmp)}"  # the mid-unit one does
+    texts.append(Launch(folder, env, tmp_path / "last.log").finish())
+    assert runner_folders(tmp) == []
 
     assert summary(folder) == reference["summary"]
     best = best_weights(folder)
@@ -298,8 +314,11 @@ def preempted(tmp_path_factory, prefect_env) -> dict:
     """A sweep SIGTERMed while its first two trials are mid-unit, then launched again to its end."""
     base = tmp_path_factory.mktemp("preempted")
     folder = base / "runs"
+    tmp = base / "tmp"
+    tmp.mkdir()
+    env = {**prefect_env, "TMPDIR": str(tmp)}
     slow = {"recipe_args": json.dumps({**ARGS, "step_seconds": 1.0})}  # 8 s a unit: both first trials mid-unit
-    launch = Launch(folder, prefect_env, base / "stopped.log", **slow)
+    launch = Launch(folder, env, base / "stopped.log", **slow)
     try:
         # Two trials running, each in its first unit: its TensorBoard folder made (right before its first step) and
         # no checkpoint yet. Counting "fresh initialization" lines was not enough: under load one runner took 70 s to
@@ -321,9 +340,10 @@ def preempted(tmp_path_factory, prefect_env) -> dict:
     finally:
         launch.close()
     stopped = {run: committed(folder, run) for run in training}
-    again = Launch(folder, prefect_env, base / "relaunched.log", **slow).finish()
+    left_by_stop = runner_folders(tmp)  # a stopped sweep removes its runners' trial files itself
+    again = Launch(folder, env, base / "relaunched.log", **slow).finish()
     return {"folder": folder, "code": code, "seconds": seconds, "text": launch.text(), "again": again,
-            "stopped": stopped}  # fmt: skip
+            "stopped": stopped, "left": [left_by_stop, runner_folders(tmp)]}  # fmt: skip
 
 
 def test_a_preempted_sweep_commits_and_resumes(preempted, reference):
@@ -337,4 +357,5 @@ def test_a_preempted_sweep_commits_and_resumes(preempted, reference):
         assert stopped, text[-3000:]
         assert progress is not None and progress["step"] == int(stopped.group(1)) > 0
         assert starts(text, run) == ["no checkpoint"] and "no checkpoint" not in starts(preempted["again"], run)
+    assert preempted["left"] == [[], []]  # nothing of the stopped sweep or its relaunch in the temporary folder
     assert summary(folder) == reference["summary"]  # the units' train_loss and samples too: the resumed units go on
