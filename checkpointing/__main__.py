@@ -257,10 +257,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m checkpointing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    # --storage-options may come before or after the command; SUPPRESS keeps a command from resetting it.
+    # --storage-options may come before or after the command; SUPPRESS keeps a command from resetting it. The
+    # training command's spelling (--storage_options, pydantic-settings' flag) is taken too: one copied from it works.
+    spellings = ("--storage-options", "--storage_options")
     options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--storage-options", default=argparse.SUPPRESS, help="fsspec options as JSON (never printed)")
-    parser.add_argument("--storage-options", default="{}", help="fsspec options as JSON (never printed)")
+    options.add_argument(
+        *spellings, dest="storage_options", default=argparse.SUPPRESS, help="fsspec options as JSON (never printed)"
+    )
+    parser.add_argument(*spellings, dest="storage_options", default="{}", help="fsspec options as JSON (never printed)")
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser(
         "ls",

@@ -111,7 +111,7 @@ def test_on_s3_the_storage_options_are_used_and_never_printed(s3, tmp_path):
     assert exported.returncode == 0, exported.stderr
     assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["model"]["w"], torch.full((4,), 7.0))
 
-    missing = cli("verify", "s3://no-such-bucket-here/exp", "--storage-options", given)
+    missing = cli("verify", "s3://no-such-bucket-here/exp", "--storage_options", given)  # the training flag's spelling
     assert missing.returncode == 1 and "no such bucket" in missing.stderr
     assert len(missing.stderr.splitlines()) == 1 and "Traceback" not in missing.stderr
     for out in (listed, exported, missing):
