@@ -166,9 +166,8 @@ def test_sigterm_at_any_point_costs_no_step_and_the_relaunch_is_bit_identical(wh
         assert code == EXIT_CODE, out[-3000:]
         # Prefect's engine shows a BaseException as a crash (two ERROR lines, "Crash detected!", Crashed): a polite
         # stop must read as what it was, one line, and a flow run Cancelled, named Preempted
-        assert len(error_lines(out)) == 1 and "preempted by SIGTERM: stopped at step" in error_lines(out)[0], out[
-            -3000:
-        ]
+        errors = error_lines(out)
+        assert len(errors) == 1 and "preempted by SIGTERM: stopped at step" in errors[0], out[-3000:]
         assert "Crash" not in out and " ERROR " not in out and "| ERROR" not in out, out[-3000:]
         assert flow_run_state(run_name) == ("CANCELLED", "Preempted", True)
         store = CheckpointStore(folder, run_name)
