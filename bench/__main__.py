@@ -44,6 +44,9 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from bench.common import leave_nothing_behind
+
+    leave_nothing_behind()
     for name in chosen:
         importlib.import_module(BENCHES[name]).main(flags)
     return 0
