@@ -193,8 +193,9 @@ class SnapshotPipeline:
         self._timer: threading.Timer | None = None
         self._failure: BaseException | None = None
         self._publishing: Future[None] | None = None
-        # taken and handed to the publish thread, not yet published (at most one: ``take`` waits for the one before)
-        self._unpublished: tuple[_Job, Future[None]] | None = None
+        # taken and handed to the publish thread, not yet published nor failed (at most one: ``take`` waits for the one
+        # before); ``_publish`` clears it either way
+        self._unpublished: _Job | None = None
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="snapshot-publish")
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="snapshot-upload")
         self._stream: Any = None
@@ -246,7 +247,7 @@ class SnapshotPipeline:
         with self._lock:
             job.seq, self._seq = self._seq, self._seq + 1
             self._publishing = self._publisher.submit(self._publish, job)
-            self._unpublished = (job, self._publishing)
+            self._unpublished = job
         taken = Taken(pending, time.perf_counter() - t0, copied, waited)
         self.stats.add(taken)
         return taken
@@ -403,6 +404,14 @@ class SnapshotPipeline:
 
     # -- the publish thread -------------------------------------------------------------------------
     def _publish(self, job: _Job) -> None:
+        try:
+            self._publish_now(job)
+        finally:  # published (then queued or offered for upload), or failed: no longer in flight as unpublished
+            with self._lock:
+                if self._unpublished is job:
+                    self._unpublished = None
+
+    def _publish_now(self, job: _Job) -> None:
         assert job.slot is not None  # taken, not submitted
         if job.event is not None:
             job.event.synchronize()
@@ -413,8 +422,6 @@ class SnapshotPipeline:
                 self._warn("record", f"snapshots not recorded in the host-memory tier: {type(exc).__name__}: {exc}")
         with self._lock:
             job.published = True
-            if self._unpublished is not None and self._unpublished[0] is job:
-                self._unpublished = None
             self._newest = job
             self._held_by_tier = None  # from now on this process's own snapshots say which slot is newest
             if not job.upload:
@@ -529,10 +536,9 @@ class SnapshotPipeline:
         """The newest snapshot that must reach the store and has not yet (the name a next unit starts from)."""
         with self._lock:
             jobs = [j for j in (*self._queued, self._uploading) if j is not None and j.must_upload]
-            if self._unpublished is not None:  # taken, still being published: queued for upload right after
-                job, publishing = self._unpublished
-                if job.must_upload and job.upload and not publishing.done():  # done unpublished: it failed
-                    jobs.append(job)
+            taken = self._unpublished  # still being published: queued for upload right after
+            if taken is not None and taken.must_upload and taken.upload:
+                jobs.append(taken)
         return max(jobs, key=lambda j: j.seq).name if jobs else None
 
     def keep_newest(self) -> None:
