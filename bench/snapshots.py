@@ -293,9 +293,7 @@ THROUGHPUT_GOALS = {
 }
 
 
-def render_throughput(
-    seconds: dict[str, list[float]], steps: int, label: str, goals: dict[str, float] | None = None
-) -> list[str]:
+def render_throughput(seconds: dict[str, list[float]], steps: int, label: str, goals: dict[str, float]) -> list[str]:
     none = seconds["none"]
     lines = [
         f"{label}: per run, a warm-up unit of {WARM_STEPS} steps with a snapshot every step (the pipeline's slots "
@@ -305,7 +303,6 @@ def render_throughput(
         "| snapshot every | train s | s/step | slowdown | goal |",
         "| --- | --- | --- | --- | --- |",
     ]
-    goals = THROUGHPUT_GOALS[("small", "cpu")] if goals is None else goals
     for key in ["none", "1ba", "10ba", "100ba"]:
         xs = seconds[key]
         slow = median([x / n - 1 for x, n in zip(xs, none, strict=True)])

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from flows.server import free_port
+from tests import deadlines
 from tests.conftest import ROOT, TEST_RECIPES
-from tests.deadlines import time_scale
 from tests.procs import alive, children
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def test_a_killed_cli_leaves_no_prefect_server_behind(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "flows.train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     url = None
-    deadline = time.monotonic() + 180 * time_scale()
+    deadline = deadlines.deadline(180)
     for line in proc.stdout:
         url = url or (re.search(r"temporary Prefect server on (http://\S+)", line) or [None, None])[1]
         if "unit 0 (attempt 1)" in line:  # training: the server is up and in use

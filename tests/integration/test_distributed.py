@@ -14,8 +14,8 @@ import torch
 
 from checkpointing import CheckpointStore
 from flows.train import train
+from tests import deadlines
 from tests.conftest import RECORDING
-from tests.deadlines import time_scale
 from tests.procs import this_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
@@ -105,7 +105,7 @@ def test_killing_one_rank_fails_the_unit_cleanly_and_the_retry_resumes(make_conf
 
     pointer = Path(config.save_folder, config.run_name, "latest")
     ids = record / "ids-rank1.txt"
-    deadline = time.monotonic() + 240 * time_scale()
+    deadline = deadlines.deadline(240)
     while not pointer.exists():  # unit 0 trains and commits
         assert time.monotonic() < deadline and runner.is_alive(), "unit 0 never committed"
         time.sleep(0.02)

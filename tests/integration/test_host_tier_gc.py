@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from checkpointing.export import model_weights
+from tests import deadlines
 from tests.conftest import ROOT
-from tests.deadlines import time_scale
 
 pytestmark = pytest.mark.slow
 CAP = 256 << 10
@@ -56,7 +56,7 @@ def lifecycle(args: list[str], tier: Path, log: Path) -> subprocess.Popen:
 
 
 def wait_for_step(log: Path, step: int, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + 120 * time_scale()
+    deadline = deadlines.deadline(120)
     while not any(int(s) >= step for s in STEP.findall(log.read_text() if log.exists() else "")):
         assert proc is None or proc.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, f"step {step} not reached: {log}"
@@ -85,7 +85,7 @@ def kill_all_mid_run(driver: subprocess.Popen, logs: Path) -> None:
     assert driver.stdout is not None
     pids = [int(driver.stdout.readline()) for _ in range(RUNS)]
     alive = dict(enumerate(pids))
-    deadline = time.monotonic() + 240 * time_scale()
+    deadline = deadlines.deadline(240)
     while alive:
         assert time.monotonic() < deadline, f"runs {sorted(alive)} never reached step 2"
         for i, pid in list(alive.items()):

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+from tests import deadlines
 from tests.conftest import ROOT
-from tests.deadlines import time_scale
 from tests.unit.test_metrics_log import purge_steps, scalars
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def mlflow_server(tmp_path_factory):
     )  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180 * time_scale()
+        deadline = deadlines.deadline(180)
         while True:
             assert proc.poll() is None, (folder / "server.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "mlflow server did not start in 180 s x load (TEST_TIME_SCALE)"
@@ -80,7 +80,7 @@ def launch(cmd: list[str], env: dict, log: Path, kill_at_line: str | None = None
     """Runs ``cmd`` to its end, or SIGKILLs its process group once its output holds ``kill_at_line``."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300 * time_scale()
+        deadline = deadlines.deadline(300)
         while kill_at_line is not None and time.monotonic() < deadline:
             if kill_at_line in log.read_text():
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import deadlines
 from tests.conftest import ROOT
-from tests.deadlines import time_scale
 from tests.integration.test_own_loop_ranks import EPOCHS, final_state
 from tests.procs import environ, ranks_of, wait_until
 from training.exceptions import RankDied
@@ -139,7 +139,7 @@ def test_a_ddp_rank_killed_mid_unit_is_a_crash_of_that_rank(tmp_path, train_run,
     runner = threading.Thread(target=lambda: outcome.update(error=_raised(train_run, config)))
     runner.start()
     pointer = tmp_path / "d" / "latest"
-    deadline = time.monotonic() + 120 * time_scale()
+    deadline = deadlines.deadline(120)
     while not pointer.exists() or rank_pid(victim) is None:  # unit 0 committed; unit 1 trains
         assert time.monotonic() < deadline and runner.is_alive(), "unit 0 never committed"
         time.sleep(0.02)

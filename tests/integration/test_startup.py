@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from flows.server import free_port
+from tests import deadlines
 from tests.conftest import ROOT, TEST_RECIPES
-from tests.deadlines import time_scale
 from tests.procs import alive, children, cmdline
 
 pytestmark = pytest.mark.slow
@@ -156,7 +156,7 @@ def start_python_train(tmp_path: Path, max_duration: str) -> subprocess.Popen:
 def test_train_from_python_leaves_no_server_running_after_a_sigkill(tmp_path):
     proc = start_python_train(tmp_path, "200ep")
     assert proc.stdout is not None
-    deadline = time.monotonic() + 180 * time_scale()
+    deadline = deadlines.deadline(180)
     for line in proc.stdout:
         if "unit 0 (attempt 1)" in line:  # training: the server is up and in use
             break
@@ -174,7 +174,7 @@ def test_train_from_python_waits_for_a_server_slower_than_prefects_own_timeout(t
     """Prefect's own temporary server gives up after 20 s (it did at load ~15); ours is waited for while it lives.
     The server is frozen (SIGSTOP) for 25 s before it can answer, as a loaded machine would delay it."""
     proc = start_python_train(tmp_path, "1ep")
-    deadline = time.monotonic() + 120 * time_scale()
+    deadline = deadlines.deadline(120)
     while not (servers := [pid for pid in children(proc.pid) if b"flows.server" in cmdline(pid)]):
         assert proc.poll() is None and time.monotonic() < deadline, "no server child appeared"
         time.sleep(0.02)
