@@ -32,9 +32,7 @@ import functools
 import json
 import os
 import queue
-import re
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -42,14 +40,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from training.lifetimes import die_with_parent_now
+from training.lifetimes import die_with_parent_now, remove_stale_folders
 
 DONE_MARK = "\x1esweep-runner-segment-done"  # the runner's last stderr line of a segment: "<mark> <exit code>"
 WARM_FLAG = "--warm"
 PROCESS_PER_SEGMENT_ENV = "SWEEP_PROCESS_PER_SEGMENT"  # internal switch: "1" = a fresh process per segment (tests)
 _CLOSE_SECONDS = 30.0  # how long a runner whose stdin closed may take to ship its logs and exit
 FOLDER_PREFIX = "sweep-runners-"  # <tmp>/sweep-runners-<sweep pid>-<random>: one sweep's trial files
-_FOLDER_NAME = re.compile(rf"{FOLDER_PREFIX}(\d{{1,10}})-[A-Za-z0-9_]{{1,32}}")
 _ENDED_UNREPORTED = -1  # a runner that exited without its mark line mid-segment: read as a process that died
 
 
@@ -142,7 +139,7 @@ class RunnerPool:
     def opened(self, size: int) -> Iterator[RunnerPool]:
         """Runners for one sweep: ``size`` (max_concurrent_trials) at most kept; all closed, and the sweep's folder
         removed, at the end. The folders of sweeps that were killed are removed first."""
-        remove_stale_folders()
+        remove_stale_folders(FOLDER_PREFIX)  # the folders of sweeps that were SIGKILLed
         with self._lock:
             if self._folder is not None:
                 raise RuntimeError("a sweep's trial runners are already open in this process")
@@ -210,42 +207,6 @@ class RunnerPool:
                 runner.proc.wait()
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def remove_stale_folders(parent: str | None = None) -> list[str]:
-    """Removes the trial folders (``<tmp>/sweep-runners-<pid>-*``) of this user's sweeps whose process is gone: what
-    a SIGKILLed sweep left. Only real folders owned by this user, by a name this module gives; never a link."""
-    parent = parent or tempfile.gettempdir()
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        named = _FOLDER_NAME.fullmatch(entry.name)
-        if named is None or _alive(int(named.group(1))):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (another user's counts: its folder is not ours to judge)."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 RUNNERS = RunnerPool()

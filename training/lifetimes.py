@@ -26,10 +26,13 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import select
+import shutil
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import time
 
@@ -78,6 +81,45 @@ def die_with(pid: int, *_: object) -> None:
         os._exit(1)
 
     threading.Thread(target=wait, name=f"die-with-{pid}", daemon=True).start()
+
+
+def remove_stale_folders(prefix: str, parent: str | None = None) -> list[str]:
+    """Removes the folders ``<parent>/<prefix><pid>-<random>`` (``tempfile.mkdtemp(prefix=f"{prefix}{pid}-")``) whose
+    process ``pid`` is gone: what a SIGKILLed process left, since it ran no cleanup. Only real folders owned by this
+    user, by that exact form of name; never a link, a file, or the folder of a process that still exists (another
+    user's included). ``parent``: the temporary folder. Returns the paths removed."""
+    parent = parent or tempfile.gettempdir()
+    form = re.compile(rf"{re.escape(prefix)}(\d{{1,10}})-[A-Za-z0-9_]{{1,32}}")
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        named = form.fullmatch(entry.name)
+        if named is None or _exists(int(named.group(1))):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts: its folder is not ours to judge)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 SHM = "/dev/shm"

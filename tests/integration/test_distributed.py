@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,9 +29,17 @@ def steps_by_rank(folder: Path, world_size: int) -> list[set[int]]:
     return [set().union(*({int(i) for i in lines[s].split()} for lines in ranks)) for s in range(len(ranks[0]))]
 
 
-def test_two_gloo_processes_complete_the_run_with_the_expected_counters(make_config):
+def test_two_gloo_processes_complete_the_run_with_the_expected_counters(make_config, tmp_path, monkeypatch):
     config = make_config(nproc_per_node=2, max_duration="2ep", recipe_args={"num_samples": 250})
+    scratch = tmp_path / "tmp"  # the machine's temporary folder, for this process and every one it starts
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     result = train(config)
+
+    # the gang's folder is gone, and torchrun's logs with it: left to itself, torchrun leaves a torchelastic_* folder
+    # in the temporary folder at every launch (torchinductor_<user>: torch's compile cache, one per user, kept on purpose)
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
 
     assert (result.epoch, result.step, result.samples_seen) == (2, 16, 500)
     assert all(u.world_size == 2 for u in result.units)

@@ -165,10 +165,10 @@ def test_the_ranks_never_see_the_secret_and_gloo_binds_where_the_node_is_reached
 
 
 def test_every_node_runs_torchruns_static_rendezvous_at_node_0_with_its_own_rank():
-    cmd = torchrun_command(2, 3, 1, "10.1.2.3:29500", "rt-x", "/tmp/c.json")
+    cmd = torchrun_command(2, 3, 1, "10.1.2.3:29500", "rt-x", "/tmp/c.json", "/tmp/logs")
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert {"--nnodes=3", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=static", "--max-restarts=0",
-            "--rdzv-endpoint=10.1.2.3:29500", "--rdzv-id=rt-x"} <= set(cmd)  # fmt: skip
+            "--rdzv-endpoint=10.1.2.3:29500", "--rdzv-id=rt-x", "--log-dir=/tmp/logs"} <= set(cmd)  # fmt: skip
     assert cmd[-4:] == ["-m", "training.distributed.rank", "--config", "/tmp/c.json"]
 
 

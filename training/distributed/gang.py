@@ -34,7 +34,6 @@ import logging
 import os
 import secrets
 import select
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -54,7 +53,7 @@ from training.distributed import nodes
 from training.distributed.deaths import MAX_LINES, verdict
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.exceptions import DistributedUnitError
-from training.lifetimes import kill_group
+from training.lifetimes import kill_group, remove_stale_folders
 from training.recipe.loader import resolve_recipe
 from training.unit.loop import UnitResult
 
@@ -84,7 +83,7 @@ class Gang:
     ):
         self.key, self.config, self.generation, self.launcher = key, config, generation, launcher
         self._node_check = 0.0
-        _remove_stale_folders()
+        remove_stale_folders(FOLDER_PREFIX)  # a SIGKILLed unit process's (its ranks died with it, its folder stayed)
         self._folder = tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -280,17 +279,6 @@ class Gang:
 
 
 FOLDER_PREFIX = "resumable-train-gang-"
-
-
-def _remove_stale_folders() -> None:
-    """Removes the folders of gangs whose parent is gone: a SIGKILLed unit process runs no cleanup (its ranks die
-    with it, its folder stays), so the next gang started on this machine clears them."""
-    if not Path("/proc/self").exists():  # no way to tell a live parent here: leave them
-        return
-    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
-        pid = folder.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 _GANGS: dict[tuple, Gang] = {}

@@ -60,7 +60,7 @@ class Torchrun:
         config_file.write_text(config.model_dump_json())  # storage_options excluded: passed by environment
         config_file.chmod(0o600)
         return subprocess.Popen(
-            self.command(str(config_file)),
+            self.command(folder),
             env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -69,12 +69,16 @@ class Torchrun:
             preexec_fn=die_with_parent,  # torchrun (and, through theirs, its ranks) die with this process
         )
 
-    def command(self, config_file: str) -> list[str]:
+    def command(self, folder: Path) -> list[str]:
+        """torchrun for ``folder``'s config, its own log folder inside ``folder``: left to itself, torchrun makes a
+        ``/tmp/torchelastic_*`` folder per launch and never removes it (one per attempt, on every machine)."""
+        config_file, logs = str(folder / "config.json"), str(folder / "torchrun")
         if self.seat is None:  # this machine alone
             standalone = [f"--nproc-per-node={self.nproc_per_node}", "--max-restarts=0", "--standalone"]
-            return [sys.executable, "-m", "torch.distributed.run", *standalone, *_RANK, "--config", config_file]
+            launch = [*standalone, f"--log-dir={logs}"]
+            return [sys.executable, "-m", "torch.distributed.run", *launch, *_RANK, "--config", config_file]
         s = self.seat
-        return torchrun_command(self.nproc_per_node, s.nnodes, s.node_rank, s.endpoint, s.rdzv_id, config_file)
+        return torchrun_command(self.nproc_per_node, s.nnodes, s.node_rank, s.endpoint, s.rdzv_id, config_file, logs)
 
     def environment(self, env: Mapping[str, str], folder: Path) -> dict[str, str]:
         """``env`` with the recipe allowed, the roots confined and the gang's folder; across machines, without the

@@ -33,11 +33,12 @@ from training.config.trust import check_locations, confined_root_forms
 from training.distributed.launcher import NodeSeat, Torchrun, relay_output
 from training.distributed.nodes import NodeOffer
 from training.exceptions import NodeFailed
-from training.lifetimes import kill_group
+from training.lifetimes import kill_group, remove_stale_folders
 from training.recipe.loader import resolve_recipe
 
 logger = logging.getLogger(__name__)
 
+FOLDER_PREFIX = "resumable-train-node-"  # <tmp>/<prefix><pid>-<random>: this node's torchrun's config and logs
 LOST_AFTER = 30.0  # seconds without an answer from node 0's store before this node stops
 PROBE_EVERY = 3.0  # seconds between looks at node 0's store
 
@@ -49,7 +50,8 @@ def run_node(offer: NodeOffer, config: TrainConfig) -> str:
     recipe = resolve_recipe(config.recipe)  # ... and this worker's recipes
     seat = NodeSeat(offer.nnodes, offer.node_rank, offer.endpoint, offer.rdzv_id, node_address())
     torchrun = Torchrun(offer.nproc_per_node, recipe, confined_root_forms(), seat)  # ranks' files and data: under these
-    with tempfile.TemporaryDirectory(prefix="node-") as folder:
+    remove_stale_folders(FOLDER_PREFIX)  # a SIGKILLed node process's: it ran no cleanup
+    with tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-") as folder:
         logger.info(
             "node %d of %d: starting %d rank process(es), rendezvous %s (%s)",
             offer.node_rank,

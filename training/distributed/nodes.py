@@ -189,9 +189,10 @@ def _check_config(offer: NodeOffer, config: Any) -> None:
 
 # -- what every node runs --------------------------------------------------------------------------------------
 def torchrun_command(
-    nproc_per_node: int, nnodes: int, node_rank: int, rendezvous: str, rdzv_id: str, config_file: str
+    nproc_per_node: int, nnodes: int, node_rank: int, rendezvous: str, rdzv_id: str, config_file: str, log_dir: str
 ) -> list[str]:
-    """torchrun for one node of a gang: static rendezvous at node 0's store, no restarts (a retry is Prefect's)."""
+    """torchrun for one node of a gang: static rendezvous at node 0's store, no restarts (a retry is Prefect's), its
+    logs in ``log_dir`` (the gang's folder, removed with it)."""
     return [
         sys.executable,
         "-m",
@@ -204,6 +205,7 @@ def torchrun_command(
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf=timeout={OFFER_TTL}",
         "--max-restarts=0",
+        f"--log-dir={log_dir}",
         "-m",
         "training.distributed.rank",
         "--config",

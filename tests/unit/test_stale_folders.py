@@ -1,7 +1,8 @@
-"""The trial folders a SIGKILLed sweep leaves (tasks/trial_runner.py, issue 46): the next sweep removes those whose
-sweep process is gone, and nothing else in the temporary folder — not a live sweep's, not a link, not a file, not a
-name it did not give. The whole path (a real sweep SIGKILLed, then relaunched) is
-tests/integration/test_warm_runners.py's; this is the judgement of each entry, on real files.
+"""The folders a SIGKILLed process leaves in the temporary folder (a sweep's trial folder, a gang's, a node's: one
+judgement, training/lifetimes.py ``remove_stale_folders``): the next one of its kind removes those whose process is
+gone, and nothing else — not a live process's, not a link, not a file, not a name it did not give. The whole path (a
+real sweep SIGKILLed, then relaunched) is tests/integration/test_sweeps.py's; this is the judgement of each entry, on
+real files.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import os
 import subprocess
 import sys
 
-from tasks.trial_runner import FOLDER_PREFIX, remove_stale_folders
+from tasks.trial_runner import FOLDER_PREFIX
+from training.lifetimes import remove_stale_folders
 
 
 def dead_pid() -> int:
@@ -40,8 +42,8 @@ def test_only_the_folders_of_gone_sweeps_are_removed(tmp_path):
     plain = tmp_path / f"{FOLDER_PREFIX}{gone}-file1234"
     plain.write_text("not a folder")
 
-    assert remove_stale_folders(str(tmp_path)) == [str(stale)]
+    assert remove_stale_folders(FOLDER_PREFIX, str(tmp_path)) == [str(stale)]
     assert not stale.exists()
     assert all(folder.is_dir() for folder in kept)
     assert link.is_symlink() and (target / "keep").is_dir() and plain.is_file()
-    assert remove_stale_folders(str(tmp_path / "missing")) == []  # no temporary folder: nothing to do
+    assert remove_stale_folders(FOLDER_PREFIX, str(tmp_path / "missing")) == []  # no temporary folder: nothing to do
