@@ -21,8 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# The temporary files of this session's processes (Prefect's, torchrun's, multiprocessing's, a browser's), also those
+# of a process a test kills on purpose, which runs no cleanup, go to one folder removed at exit: a suite run leaves
+# nothing in /tmp (before, each run left ~80 torchelastic_*, ~30 pymp-* and 4 prefect-home-* folders there). An
+# xdist worker inherits its controller's folder and makes its own inside it.
+SESSION_TMP = tempfile.mkdtemp(prefix="pytest-session-")
+os.chmod(SESSION_TMP, 0o1777)  # as /tmp is: the tests that run as another user make their folders in it too
+os.environ["TMPDIR"] = SESSION_TMP
+atexit.register(shutil.rmtree, SESSION_TMP, True)  # registered first: runs last
+
 # Nothing a test does may touch the user's Prefect profile or read their TRAIN_* settings.
-_PREFECT_HOME = tempfile.mkdtemp(prefix="prefect-home-")
+_PREFECT_HOME = tempfile.mkdtemp(prefix="prefect-home-", dir=SESSION_TMP)
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -57,21 +66,24 @@ TEST_RECIPES = ",".join(
 os.environ["TRAIN_ALLOWED_RECIPES"] = TEST_RECIPES
 # Snapshots that the host-memory tier keeps (checkpointing/host_tier/tier.py) go to this session's own folder, not /dev/shm:
 # a killed test run leaves nothing behind on the machine.
-HOST_TIER_DIR = tempfile.mkdtemp(prefix="host-tier-")
+HOST_TIER_DIR = tempfile.mkdtemp(prefix="host-tier-", dir=SESSION_TMP)
 os.environ["TRAIN_HOST_TIER_DIR"] = HOST_TIER_DIR
 atexit.register(shutil.rmtree, HOST_TIER_DIR, True)
 _popen_init = subprocess.Popen.__init__
 
 
 def _popen_with_tier_dir(self, *args, **kwargs):
-    """Every child gets the session's tier folder, also one started with an environment of its own (``env={...}``
-    without TRAIN_*: a "fresh user"), so no test run puts snapshots in /dev/shm: one full suite left 8.2 GB there."""
+    """Every child gets the session's tier folder and temporary folder, also one started with an environment of its
+    own (``env={...}`` without TRAIN_*: a "fresh user"), so no test run puts snapshots in /dev/shm (one full suite left
+    8.2 GB there) or files in /tmp. A test that names its own keeps it."""
     env = kwargs.get("env")
-    if isinstance(env, dict) and "TRAIN_HOST_TIER_DIR" not in env and b"TRAIN_HOST_TIER_DIR" not in env:
-        key, value = ("TRAIN_HOST_TIER_DIR", HOST_TIER_DIR)
-        if env and all(isinstance(k, bytes) for k in env):
-            key, value = key.encode(), value.encode()  # type: ignore[assignment]
-        kwargs["env"] = {**env, key: value}
+    if isinstance(env, dict):
+        given = dict(env)
+        for key, value in (("TRAIN_HOST_TIER_DIR", HOST_TIER_DIR), ("TMPDIR", SESSION_TMP)):
+            if key not in env and key.encode() not in env:
+                as_bytes = bool(env) and all(isinstance(k, bytes) for k in env)
+                given[key.encode() if as_bytes else key] = value.encode() if as_bytes else value
+        kwargs["env"] = given
     _popen_init(self, *args, **kwargs)
 
 
@@ -109,7 +121,7 @@ def _no_snapshots_left_in_shared_memory(tmp_path_factory):
 
 
 # Streaming shards read from a bucket are cached (training/data/shards.py) in this session's folder, not ~/.cache.
-DATA_CACHE_DIR = tempfile.mkdtemp(prefix="data-cache-")
+DATA_CACHE_DIR = tempfile.mkdtemp(prefix="data-cache-", dir=SESSION_TMP)
 os.environ["TRAIN_DATA_CACHE_DIR"] = DATA_CACHE_DIR
 atexit.register(shutil.rmtree, DATA_CACHE_DIR, True)
 
