@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 
@@ -9,6 +10,7 @@ from recipes.gpt import GPTRecipe
 from recipes.synthetic import SyntheticRecipe
 
 BUILT_MODELS: list[weakref.ref] = []
+ALIVE_AT_BUILD: list[list[bool]] = []
 
 
 class RecordingRecipe(SyntheticRecipe):
@@ -28,11 +30,14 @@ class RecordingRecipe(SyntheticRecipe):
 
 
 class TrackingRecipe(SyntheticRecipe):
-    """Remembers (weakly) every real model it builds, so a test can see that a failed attempt's is freed."""
+    """Remembers (weakly) every real model it builds, and which of the ones before were still alive when it built
+    it (``ALIVE_AT_BUILD``), so a test can see that a failed attempt's was freed before the retry built its own."""
 
     def build_model(self):
         model = super().build_model()
         if next(model.parameters()).device.type != "meta":  # the pre-flight's shape-only build holds no memory
+            gc.collect()
+            ALIVE_AT_BUILD.append([ref() is not None for ref in BUILT_MODELS])
             BUILT_MODELS.append(weakref.ref(model))
         return model
 

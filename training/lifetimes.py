@@ -18,6 +18,10 @@ the whole group (``kill -9 -PGID``, a job scheduler's or a cgroup OOM kill of ev
 tracker too, and each such run leaves its names behind (14 for a 2-worker run) until the machine restarts.
 ``remove_orphaned_semaphores``, called once per process before a loader starts its workers, removes the ones no
 process can still use.
+
+What they leave in the temporary folder: a killed process's own folder (a gang's, a node's, a sweep's trial files) is
+removed by the next one of its kind once its pid is gone (``remove_stale_folders``); a process that leaves on purpose
+without teardown (``exit_now``) still removes the folder multiprocessing made for it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +125,17 @@ def _exists(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
+
+
+def exit_now(code: int) -> NoReturn:
+    """``os._exit(code)`` for a process that must leave without the interpreter's teardown (a rank: training/
+    distributed/rank.py), less what that skips of multiprocessing's exit handler: the folder it made for this process
+    (``<tmp>/pymp-*``, the loaders' forkserver socket) would otherwise stay in the temporary folder at every exit."""
+    from multiprocessing import util
+
+    with contextlib.suppress(OSError):
+        shutil.rmtree(util.get_temp_dir(), ignore_errors=True)  # made now if it was not: nothing else to remove then
+    os._exit(code)
 
 
 SHM = "/dev/shm"

@@ -195,13 +195,16 @@ class Run:
 
     def close(self) -> None:
         """Ends what this attempt started, on every path (completed, failed, preempted): its rank processes, its
-        snapshot engine (the uploads still owed land first, under the lease, then its threads end and its buffers go
-        back to the machine; the host-memory tier's files stay for a relaunch here), and releases the run for the next
-        attempt (at once, rather than when the lease goes stale)."""
+        kept session and the loader workers it holds, its snapshot engine (the uploads still owed land first, under
+        the lease, then its threads end and its buffers go back to the machine; the host-memory tier's files stay for a
+        relaunch here), and releases the run for the next attempt (at once, rather than when the lease goes stale)."""
         from training.distributed.gang import close_gangs
 
         try:
             close_gangs()  # the rank processes of this attempt, if any
+            # Its loader workers end now, each the ordinary way (its exit handlers run), not killed at this process's
+            # exit: one killed there left the folder multiprocessing made for it (/tmp/pymp-*) at every launch.
+            PROCESS.forget()
             PROCESS.committer.drop_snapshots()  # after a completed run's finish(): nothing left to do
             close_run(self.store)  # its TensorBoard writer (file and thread); MLflow's run stays open for the next
             if self.lease is not None:

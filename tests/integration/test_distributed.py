@@ -30,7 +30,7 @@ def steps_by_rank(folder: Path, world_size: int) -> list[set[int]]:
 
 
 def test_two_gloo_processes_complete_the_run_with_the_expected_counters(make_config, tmp_path, monkeypatch):
-    config = make_config(nproc_per_node=2, max_duration="2ep", recipe_args={"num_samples": 250})
+    config = make_config(nproc_per_node=2, max_duration="2ep", num_workers=2, recipe_args={"num_samples": 250})
     scratch = tmp_path / "tmp"  # the machine's temporary folder, for this process and every one it starts
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
@@ -38,7 +38,8 @@ def test_two_gloo_processes_complete_the_run_with_the_expected_counters(make_con
     result = train(config)
 
     # the gang's folder is gone, and torchrun's logs with it: left to itself, torchrun leaves a torchelastic_* folder
-    # in the temporary folder at every launch (torchinductor_<user>: torch's compile cache, one per user, kept on purpose)
+    # in the temporary folder at every launch; and each rank's and loader worker's pymp-* folder, which a process that
+    # leaves without its exit handlers leaves (torchinductor_<user>: torch's compile cache, one per user, kept on purpose)
     assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
 
     assert (result.epoch, result.step, result.samples_seen) == (2, 16, 500)

@@ -3,12 +3,15 @@ options; and through the real flow, whose retry resumes mid-epoch with loader wo
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from checkpointing import CheckpointStore
 from flows.train import train
 from tests.conftest import RECORDING
+from tests.procs import children, cmdline
 from training.position.sampler import epoch_order
 
 N = 240  # samples in the synthetic dataset
@@ -82,6 +85,10 @@ def test_data_skip_steps_skips_batches_of_the_new_size_from_the_epoch_start(make
 def test_mid_epoch_resume_with_loader_workers_is_bit_identical(make_config):
     common = dict(max_duration="2ep", save_interval="3ba", num_workers=2, recipe_args={"num_samples": N})
     clean = train(make_config(run_name="clean", **common))
+    # the run's loader workers ended with it, the ordinary way (killed at this process's exit instead, each left its
+    # /tmp/pymp-* folder); the forkserver that started them stays, as multiprocessing keeps it
+    forkservers = [p for p in children(os.getpid()) if b"multiprocessing.forkserver" in cmdline(p)]
+    assert len(forkservers) == 1 and children(forkservers[0]) == []
     faulty = train(make_config(run_name="faulty", inject_fault_at_step=10, **common))
 
     assert faulty.units[3].resumed_from.startswith("checkpoint ep1-ba9")  # a mid-epoch checkpoint

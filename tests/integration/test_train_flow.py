@@ -108,15 +108,16 @@ def test_retention_keeps_exactly_num_checkpoints_to_keep_including_latest(make_c
 @pytest.mark.usefixtures("prefect_harness")
 def test_failed_attempt_state_is_freed_before_the_retry(make_config):
     recipes_for_tests.BUILT_MODELS.clear()
+    recipes_for_tests.ALIVE_AT_BUILD.clear()
     config = make_config(recipe="tests.recipes_for_tests:TrackingRecipe", max_duration="2ep", inject_fault_at_step=12)
     train(config)
     gc.collect()
     # Unit 0 built a model and kept it in memory; unit 1's first attempt reused it and failed. The retry
-    # must build a fresh model (not reuse the failed attempt's) and the failed one must be freed.
+    # must build a fresh model (not reuse the failed attempt's), by which time the failed one was freed.
     assert len(recipes_for_tests.BUILT_MODELS) == 2
-    failed_attempt_model, retry_model = recipes_for_tests.BUILT_MODELS
-    assert failed_attempt_model() is None
-    assert retry_model() is not None  # still held as the clean in-memory state of the last checkpoint
+    assert recipes_for_tests.ALIVE_AT_BUILD == [[], [False]]
+    # ... and the run, once it has ended, holds nothing of its session (its loader workers ended with it)
+    assert [ref() for ref in recipes_for_tests.BUILT_MODELS] == [None, None]
 
 
 def test_autoresume_false_refuses_an_existing_run_and_keeps_it(make_config, train_run):

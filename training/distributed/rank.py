@@ -33,7 +33,7 @@ from training.config import TrainConfig
 from training.distributed.errors import error_record
 from training.distributed.gang import ADDRESS_ENV, MAX_MESSAGE, TOKEN_ENV, Op
 from training.distributed.launcher import FOLDER_ENV
-from training.lifetimes import die_with_parent_now
+from training.lifetimes import die_with_parent_now, exit_now
 from training.unit.session import World
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def serve(world: World, channel: ParentChannel | None) -> None:
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if command.get("op") == Op.EXIT:
+            cache.forget()  # its loader workers end the ordinary way before this rank leaves without teardown
             return
         config = TrainConfig(**command["config"])
         args = {"attempt": int(command.get("attempt", 1)), "generation": int(command["generation"])}
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                            world.rank, exc)  # fmt: skip
         else:
             logger.error("rank %d: %s: %s", world.rank, type(exc).__name__, exc)
-        os._exit(1)  # no teardown that could wait on a peer that is gone
+        exit_now(1)  # no teardown that could wait on a peer that is gone
     # Past the barrier every rank is done and owes its peers nothing. Tearing gloo down (destroy_process_group, then
     # the interpreter's own teardown) after a peer has already closed its connections aborts the rank in about 1
     # exit in 5 across machines ("terminate called without an active exception"), which fails that node's run
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 class _RankFilter(logging.Filter):
