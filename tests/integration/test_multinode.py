@@ -31,6 +31,7 @@ from tests.integration.stack_client import client, logs_of, start_run, wait_for,
 from tests.integration.test_distributed import steps_by_rank
 from training.config import TrainConfig
 from training.distributed.gang import DistributedUnitError, run_on_gang
+from training.distributed.node_run import FOLDER_PREFIX as NODE_FOLDER
 from training.distributed.nodes import NodeOffer, Rendezvous, config_digest, make_offers, sign_offer
 
 pytestmark = [pytest.mark.slow, pytest.mark.system]
@@ -177,6 +178,8 @@ def test_a_node_killed_mid_unit_ends_the_attempt_and_the_retry_resumes_exactly(c
     for epoch in (0, 1, 2):
         steps = steps_by_rank_lines(record, epoch, per_epoch)
         assert sorted(i for step in steps for i in step) == list(range(4000))
+    # the killed node process ran no cleanup; the retry's node removed its folder (its torchrun's config and logs)
+    assert sorted(Path(os.environ["TMPDIR"]).glob(f"{NODE_FOLDER}*")) == []
 
 
 def steps_by_rank_lines(record: Path, epoch: int, per_epoch: int) -> list[set[int]]:
