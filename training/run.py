@@ -202,10 +202,12 @@ class Run:
 
         try:
             close_gangs()  # the rank processes of this attempt, if any
-            # Its loader workers end now, each the ordinary way (its exit handlers run), not killed at this process's
-            # exit: one killed there left the folder multiprocessing made for it (/tmp/pymp-*) at every launch.
-            PROCESS.forget()
             PROCESS.committer.drop_snapshots()  # after a completed run's finish(): nothing left to do
+            # Its loader workers end now, each the ordinary way (its exit handlers run), not killed at this process's
+            # exit: one killed there left the folder multiprocessing made for it (/tmp/pymp-*) at every launch. After
+            # the uploads still owed (a preemption's grace is theirs), and without a full collection: no retry in this
+            # process needs the memory at once, and the workers end as their loader's last reference goes.
+            PROCESS.forget(collect=False)
             close_run(self.store)  # its TensorBoard writer (file and thread); MLflow's run stays open for the next
             if self.lease is not None:
                 self.lease.release()
