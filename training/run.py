@@ -27,6 +27,7 @@ from checkpointing import CheckpointInfo, CheckpointStore
 from checkpointing.export import export_checkpoint
 from checkpointing.fencing import LEASE_STALE, Lease
 from checkpointing.io.redact import redact_text, redact_uri
+from checkpointing.manifest import Writer
 from checkpointing.uris import split_run_uri
 from training.config import TrainConfig
 from training.config.limits import check_limits
@@ -36,6 +37,7 @@ from training.metrics.log import close_run
 from training.position.progress import Progress, at, check_progress, is_complete, is_past, rescaled, unit_index
 from training.preemption import STOP, raise_if_requested
 from training.recipe.loader import uses_own_loop
+from training.start.host_memory import commit_unsent, unsent_checkpoint
 from training.start.identity import check_same_run, requested_data_skip, same_data_skip
 from training.start.overwrite import start_over, starts_over
 from training.start.phases import Phases
@@ -143,15 +145,17 @@ class Run:
         phases.mark("preflight")
         store = open_store(config)
         start = store.latest()
+        unsent = unsent_checkpoint(config, store)  # in this machine's memory only: where the run stands, once committed
         phases.mark("store")
         over = starts_over(config, store, start, attempt)  # autoresume=False on a run with checkpoints: refused, or
-        if start is not None and not over:  # (save_overwrite=True) started over once the run is claimed
-            check_same_run(config, start, store)
+        newest = unsent.info if unsent is not None else start
+        if newest is not None and not over:  # (save_overwrite=True) started over once the run is claimed
+            check_same_run(config, newest, store if unsent is None else None)  # (a fit is checked when it loads)
         elif config.load_path and not uses_own_loop(config):
             check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError
         rollback_to = pending_roll_back(config, store)  # a bad resume_from fails here, before anything is written
-        if start is not None and not over and not rollback_to:
-            check_resumable(config, start, epoch_size)
+        if newest is not None and not over and not rollback_to:
+            check_resumable(config, newest, epoch_size)
         raise_if_requested(start.name if start else None)  # stopped during start-up: nothing claimed, nothing lost
         phases.mark("checks")
         label = label or f"process {os.getpid()} on {socket.gethostname()} (attempt {attempt})"
@@ -166,6 +170,8 @@ class Run:
                 start_over(store, generation)
             if rollback_to:
                 roll_back(store, rollback_to, generation)
+            elif unsent is not None and not over:  # its upload died with its process: committed before the run
+                commit_unsent(config, unsent, store, Writer.current(generation, label))  # decides where it stands
             start = resolve_start(config, store)
             run = cls(config, store, start, generation, lease, [])
         except BaseException:

@@ -291,6 +291,43 @@ def test_training_goes_on_while_an_upload_is_in_flight_and_latest_waits_for_it(
     assert all(store.check(i, deep=True) == [] for i in store.list())
 
 
+def test_the_retry_of_a_last_unit_whose_upload_was_refused_commits_it_as_recorded_and_trains_nothing(
+    s3, moto_server, make_config, train_run, no_library_retries
+):
+    """The last unit's checkpoint reached this machine's memory and its upload was refused, so the unit failed waiting
+    for it. Its retry in the same process (a Prefect task retry) commits that checkpoint from memory as it was recorded
+    and trains nothing. Before, the retry resumed from memory at the run's end, trained a unit of 0 steps and committed
+    the checkpoint again as 0 samples, a train_loss of 0 and no evaluation."""
+    from training.run import Run, execute_unit
+    from training.sweep.study import TIMINGS
+
+    def figures(c) -> list[dict]:
+        infos = CheckpointStore(c.save_folder, c.run_name, storage_options=c.storage_options).list()
+        return [{k: v for k, v in i.metrics.items() if k not in TIMINGS} for i in infos]
+
+    units = dict(max_duration="2ep", save_interval="1ep", eval_each_unit=True)
+    reference = make_config(run_name="reference", **units)
+    train_run(reference)
+    folder, _ = s3
+    with FaultProxy(moto_server) as proxy:
+        config = make_config(
+            save_folder=folder, storage_options=through(proxy, **no_library_retries), store_retry_max_seconds=1, **units
+        )
+        proxy.deny = re.compile(r"PUT .*/checkpoints/ep2-ba16-sa512/state\.pt")
+        with Run.open(config) as run:
+            execute_unit(config, unit=0, generation=run.generation)
+            with pytest.raises(AccessDeniedError):
+                execute_unit(config, unit=1, generation=run.generation)
+            assert CheckpointStore(folder, "r", storage_options=s3[1]).latest().name == "ep1-ba8-sa256"
+            proxy.deny = None
+            retried = execute_unit(config, unit=1, attempt=2, generation=run.generation)
+        assert (retried.steps, retried.complete, retried.checkpoint_name) == (0, True, "ep2-ba16-sa512")
+        assert retried.metrics["samples"] == 256.0 and "eval_accuracy" in retried.metrics
+        assert figures(config) == figures(reference)  # both units' own figures, the second one's from memory
+        store = CheckpointStore(folder, "r", storage_options=s3[1])
+        assert all(store.check(i, deep=True) == [] for i in store.list())
+
+
 @pytest.mark.slow
 def test_a_kill_during_an_upload_leaves_latest_on_the_previous_verified_checkpoint(
     s3, moto_server, prefect_env, tmp_path

@@ -187,6 +187,32 @@ def test_snapshots_change_nothing_that_is_trained(make_config, train_run):
     assert names == ["ep1-ba8-sa256", "ep2-ba16-sa512"]  # the intermediate ones were superseded and deleted
 
 
+def test_a_unit_checkpoint_the_store_never_got_is_committed_as_recorded_before_the_run_goes_on(make_config, train_run):
+    """A kill after a unit's checkpoint reached this machine's memory but before its upload landed (the whole sweep
+    SIGKILLed as a trial's segment ended, in CI): the relaunch found the run's end in the tier, trained a unit of 0
+    steps from it and committed that unit's checkpoint again as 0 samples, train_loss 0 and no evaluation, so ASHA
+    promoted another trial. The relaunch now commits the tier's unit checkpoint to the store as it was recorded, metrics
+    and all, before the run decides where it stands; a segment that ended there has nothing left, a longer one goes on."""
+    units = dict(save_interval="1ep", eval_each_unit=True)
+    reference = make_config(run_name="reference", max_duration="2ep", **units)
+    train_run(reference)
+    config = make_config(max_duration="2ep", **units)
+    with Run.open(config) as run:
+        execute_unit(config, unit=0, generation=run.generation)
+    store = CheckpointStore(config.save_folder, config.run_name)
+    store.delete("ep1-ba8-sa256")  # its upload had not landed when the process died: only the tier holds it
+    assert store.latest() is None
+
+    first_segment = config.model_copy(update={"max_duration": "1ep"})
+    with Run.open(first_segment) as run:
+        assert run.complete and run.started_from == "checkpoint ep1-ba8-sa256"
+    assert unit_figures(config) == unit_figures(reference)[:1]  # 256 samples, its train_loss, its evaluation
+    result = train_run(config)
+    assert [u.unit for u in result.units] == [1] and result.units[0].origin == "store"  # the second unit only
+    assert_same_weights(final_state(config), final_state(reference))
+    assert unit_figures(config) == unit_figures(reference)
+
+
 def _stop_after_snapshot(config, step: int):
     """Trains in this process until the snapshot of ``step`` is published, then drops the process's state as a killed
     process would lose it, and the snapshots inside the unit that reached the store, as if the kill came before

@@ -12,6 +12,13 @@ all of these hold, and the store is used otherwise:
   folder has other claims);
 - no writer newer than it committed to the store, and no roll-back newer than it was made;
 - it is further along than the store's newest checkpoint (more samples seen, or as many and more steps).
+
+A checkpoint the run meant to commit (a unit's, a stop's: not a snapshot inside a unit) that is in the tier and not
+in the store lost its upload with the process. The relaunch commits it first, as it was recorded (``commit_unsent``,
+from ``Run.open``: checked with the store's newest before the run is claimed,
+committed once it is): the store then says where the run stands, with that unit's own metrics.
+Resumed from instead, a unit's end left the relaunch a unit of 0 steps that committed the same checkpoint again with
+0 samples, a train_loss of 0 and no evaluation (a sweep then decided on those).
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ import logging
 from typing import Any
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
+from checkpointing.commit.committer import INTERMEDIATE, CommitTerms, finish, snapshot_request
 from checkpointing.host_tier.gc import not_resumable
 from checkpointing.host_tier.tier import HostTier, Record, TierUnavailable, verified
 from checkpointing.manifest import Manifest, Writer
 from checkpointing.store import CheckpointInfo
 from training.config import TrainConfig
+from training.recipe.loader import uses_own_loop
+from training.start.store import retention
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +108,36 @@ def sharded_snapshot(config: TrainConfig, store: CheckpointStore, rank: int, siz
             tier.close()
 
 
-def _newest(store: CheckpointStore, name: str | None = None) -> LoadedCheckpoint | None:
-    """Rank 0's newest resumable snapshot (or the one called ``name``) that verifies."""
+def unsent_checkpoint(config: TrainConfig, store: CheckpointStore) -> LoadedCheckpoint | None:
+    """The run's newest resumable state in this machine's memory (verified), when it is a checkpoint the run meant to
+    commit (not a snapshot inside a unit) and the store never got it; None otherwise (a snapshot inside a unit stays
+    where it is: the unit resumes from it). Reads only. Not for a loop of its own (it reads the tier itself, report by
+    report) nor FSDP (a rank's snapshot holds its shards only)."""
+    if not config.host_memory_tier or config.parallelism == "fsdp" or uses_own_loop(config):
+        return None
+    return _newest(store, unit_ends_only=True)
+
+
+def commit_unsent(
+    config: TrainConfig, unsent: LoadedCheckpoint, store: CheckpointStore, writer: Writer
+) -> CheckpointInfo:
+    """Commits ``unsent`` (``unsent_checkpoint``'s) as it was recorded, metadata and metrics included, through the one
+    commit path, by ``writer``: the attempt that holds the run's claim now."""
+    info = unsent.info
+    terms = CommitTerms(store, dict(info.progress), writer, dict(info.manifest.metadata), retention(config))
+    request = snapshot_request(terms, info.name, unsent.objects, network_weights=config.save_network_weights)
+    committed = finish(request, drop_superseded=True)
+    logger.info(
+        "checkpoint %s was in this machine's memory only (the process that took it died before its upload landed): "
+        "committed to the store as it was recorded",
+        committed.name,
+    )
+    return committed
+
+
+def _newest(store: CheckpointStore, name: str | None = None, unit_ends_only: bool = False) -> LoadedCheckpoint | None:
+    """Rank 0's newest resumable snapshot (or the one called ``name``) that verifies; with ``unit_ends_only``, None
+    when that snapshot is one inside a unit (before its bytes are read)."""
     try:
         tier = HostTier(store.uri)
     except TierUnavailable as exc:
@@ -115,6 +153,8 @@ def _newest(store: CheckpointStore, name: str | None = None) -> LoadedCheckpoint
             if why:
                 logger.info("host-memory snapshot %s not used: %s", record.name, why)
                 return None  # the older ones are older still
+            if unit_ends_only and record.metadata.get(INTERMEDIATE):
+                return None
             objects = verified(tier, index, record, 0)
             if objects is not None:
                 return LoadedCheckpoint(_info(store, record), objects)

@@ -21,7 +21,7 @@ from checkpointing import CheckpointStore, Writer, ranks
 from checkpointing.commit import agent
 from checkpointing.commit import committer as commits
 from checkpointing.commit.agent import Agent
-from checkpointing.commit.committer import INTERMEDIATE, Committer, CommitTerms, PendingCommit, Retention
+from checkpointing.commit.committer import INTERMEDIATE, Committer, CommitTerms, PendingCommit
 from checkpointing.commit.snapshots import SnapshotPipeline, Stats, Taken
 from checkpointing.host_tier.gc import claim_of, sweep_on_open
 from checkpointing.host_tier.tier import HostTier, TierUnavailable
@@ -30,7 +30,7 @@ from checkpointing.store import STATE_FILE
 from training.config import TrainConfig
 from training.position.iterable import StatefulIterable
 from training.start.identity import run_identity
-from training.start.store import store_retry
+from training.start.store import retention, store_retry
 from training.unit import rng
 from training.unit.session import SINGLE_PROCESS, UNIT_SO_FAR, Session, World, rng_file
 from training.unit.state import SMALL
@@ -401,10 +401,6 @@ def unit_objects(s: Session, progress: dict[str, Any], rng_states: Sequence[Any]
     objects: dict[str, Any] = {STATE_FILE: {"state": s.state.state_dict(), "progress": progress}}
     objects.update({rng_file(r): state for r, state in enumerate(rng_states)})
     return objects
-
-
-def retention(config: TrainConfig) -> Retention:
-    return Retention(config.num_checkpoints_to_keep, config.checkpoint_score_attribute, config.checkpoint_score_order)
 
 
 def use_async_upload(config: TrainConfig, store: CheckpointStore) -> bool:

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel
 from torch.utils.data import DataLoader
 
-from checkpointing import CheckpointStore
+from checkpointing import CheckpointStore, Writer
 from checkpointing.commit.committer import PendingCommit
 from checkpointing.errors import CheckpointError, Permanent, StorageError
 from training import preemption
@@ -34,9 +34,10 @@ from training.position.progress import crossed, ends_unit, is_complete, samples_
 from training.position.sampler import ResumableBatchSampler
 from training.position.worker_seeds import seed_generators
 from training.preemption import Preempted, SaveBudget, Stop
+from training.start.host_memory import commit_unsent, unsent_checkpoint
 from training.start.store import open_store
 from training.unit import session as sessions
-from training.unit.checkpointer import Checkpointer
+from training.unit.checkpointer import Checkpointer, discard_host_snapshots
 from training.unit.evaluation import evaluate_model, to_device
 from training.unit.figures import AttemptFigures, UnitFigures
 from training.unit.session import SINGLE_PROCESS, Origin, OriginKind, Session, World
@@ -88,8 +89,10 @@ def run_unit(
     (this process's state is reused only for that one); ``generation`` fences stale writers."""
     store = open_store(config)
     budget = BUDGETS.setdefault(store.uri, SaveBudget(config.preemption_grace_seconds))
-    session, origin = _start(config, store, start_checkpoint, world, cache)
+    session, origin = _start(config, store, start_checkpoint, world, cache, generation)
     unit = unit_index(session.progress, config.interval)
+    if origin.kind == "store" and is_complete(session.progress, config.duration):
+        return _already_complete(config, store, session, origin, unit, attempt, cache)
     if world.rank == 0:
         _log_unit_start(unit, attempt, origin, session)
     log = metrics_for(config, store, world)  # TensorBoard, MLflow, the progress bar (rank 0)
@@ -126,11 +129,56 @@ def run_unit(
     )
 
 
+def _already_complete(
+    config: TrainConfig,
+    store: CheckpointStore,
+    s: Session,
+    origin: Origin,
+    unit: int,
+    attempt: int,
+    cache: SessionCache,
+) -> UnitResult:
+    """The run's newest checkpoint is its last (a retry of the last unit after its checkpoint was committed: the
+    failure came after, or ``_start`` just committed it from this machine's memory). Nothing is trained or committed
+    again: the unit reports that checkpoint as its manifest recorded it. Trained as a unit of 0 steps, it was committed
+    again with 0 samples, a train_loss of 0 and no evaluation, and a sweep decided on those."""
+    assert origin.checkpoint is not None
+    info = store.info(origin.checkpoint)
+    if info is None:
+        raise CheckpointError(f"checkpoint {origin.checkpoint} was resumed from but has no manifest now")
+    if s.world.rank == 0:
+        discard_host_snapshots(store, cache.committer)  # the run is complete: its snapshots leave this machine's memory
+        logger.info("unit %d (attempt %d): %s is the run's last; nothing left to train", unit, attempt, info.name)
+    cache.keep(config, store, s, info.name)
+    return UnitResult(
+        unit=unit,
+        checkpoint=info.uri,
+        checkpoint_name=info.name,
+        checkpoint_committed=True,
+        progress=s.progress.as_dict(),
+        complete=True,
+        origin=origin.kind,
+        resumed_from=origin.text,
+        steps=0,
+        attempt=attempt,
+        metrics=info.metrics,
+        num_train_samples=len(s.dataset),
+        world_size=s.world.size,
+    )
+
+
 def _start(
-    config: TrainConfig, store: CheckpointStore, start_checkpoint: str | None, world: World, cache: SessionCache
+    config: TrainConfig,
+    store: CheckpointStore,
+    start_checkpoint: str | None,
+    world: World,
+    cache: SessionCache,
+    generation: int,
 ) -> tuple[Session, Origin]:
     """The unit's state: this process's warm session when it is the one the flow expects (on every rank at once),
-    else the run's newest good checkpoint (a cold resume)."""
+    else the run's newest good checkpoint (a cold resume). A checkpoint this machine's memory holds and the store
+    never got (its upload failed, and this is the retry) is committed first, as it was recorded: resumed from, a
+    unit's end would leave the retry a unit of 0 steps (training/start/host_memory.py)."""
     session, origin = cache.take(config, store, start_checkpoint, world)
     if world.size > 1 and not _everywhere(session is not None):
         if session is not None:
@@ -138,6 +186,9 @@ def _start(
         session = origin = None
     if session is None or origin is None:
         cache.committer.wait_quietly()  # a cold resume must see what the previous unit committed
+        unsent = unsent_checkpoint(config, store) if world.rank == 0 else None
+        if unsent is not None:
+            commit_unsent(config, unsent, store, Writer.current(generation))
         session, origin = sessions.restore(config, store, world)
     return session, origin
 
