@@ -219,6 +219,8 @@ def _persist(orders: dict[str, Any]) -> str:
             objects = verified(tier, index, record, rank)
             if objects is None:
                 return f"nothing to commit: snapshot {record.name} does not verify"
+            if store.fence.newest() != record.generation:  # a relaunch here claimed while the lease began: it commits
+                return f"nothing to commit: a relaunch claimed the run while snapshot {record.name} was read"
             metadata = {k: v for k, v in record.metadata.items() if k != "claim"}
             writer = Writer.current(record.generation, f"{AGENT_LABEL} {orders.get('trainer')}")
             terms = CommitTerms(store, dict(record.progress), writer, metadata, Retention(**orders["retention"]))

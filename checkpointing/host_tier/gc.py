@@ -66,7 +66,7 @@ def claim_of(store: CheckpointStore, generation: int) -> dict[str, Any]:
 
 def not_resumable(store: CheckpointStore, record: Record, latest: CheckpointInfo | None) -> str:
     """Why the store has moved past the snapshot ``record`` describes ("" if it has not)."""
-    if latest is not None and _position(record.progress) <= _position(latest.progress):
+    if latest is not None and position(record.progress) <= position(latest.progress):
         return f"the store's {latest.name} is as far along"
     if latest is not None and latest.manifest.writer.generation > record.generation:
         return f"a newer writer (generation {latest.manifest.writer.generation}) committed {latest.name}"
@@ -77,7 +77,7 @@ def not_resumable(store: CheckpointStore, record: Record, latest: CheckpointInfo
     return ""
 
 
-def _position(progress: dict[str, int]) -> tuple[int, int]:
+def position(progress: dict[str, int]) -> tuple[int, int]:
     """How far along: samples seen, then steps (a loop of its own may count reports only)."""
     return progress.get("samples_seen", 0), progress.get("step", 0)
 

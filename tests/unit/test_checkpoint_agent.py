@@ -83,6 +83,29 @@ def test_it_never_commits_for_a_writer_whose_generation_moved_on(tmp_path, monke
     assert store.latest() is None and store.list() == []
 
 
+def test_a_relaunch_that_claims_while_it_reads_the_snapshot_is_left_to_commit_it(tmp_path, monkeypatch):
+    """A relaunch on this machine claims the run at once (the trainer's pid has exited) and commits the snapshot itself
+    (training/start/host_memory.py): an agent that began before the claim must not write the same checkpoint beside
+    it. It checks the claims again once it has read the snapshot, and writes nothing."""
+    from checkpointing.host_tier import tier as tiers
+
+    folder = str(tmp_path / "runs")
+    store = CheckpointStore(folder, "r")
+    generation, _ = snapshots_never_uploaded(store, monkeypatch, steps=2)
+    read = tiers.verified
+
+    def read_then_a_relaunch_claims(*args, **kwargs):
+        objects = read(*args, **kwargs)
+        store.claim_generation(label="a relaunch here")
+        return objects
+
+    monkeypatch.setattr(tiers, "verified", read_then_a_relaunch_claims)
+    outcome = agent._persist(orders_for(store, folder))
+    assert outcome == "nothing to commit: a relaunch claimed the run while snapshot ep0-ba2 was read", outcome
+    assert store.latest() is None and store.list() == []
+    assert store.fence.newest() == generation + 1
+
+
 def test_a_run_that_closes_ends_its_agent_which_commits_nothing(tmp_path, monkeypatch):
     folder = str(tmp_path / "runs")
     store = CheckpointStore(folder, "r")

@@ -28,7 +28,7 @@ from typing import Any
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
 from checkpointing.commit.committer import INTERMEDIATE, CommitTerms, finish, snapshot_request
-from checkpointing.host_tier.gc import not_resumable
+from checkpointing.host_tier.gc import not_resumable, position
 from checkpointing.host_tier.tier import HostTier, Record, TierUnavailable, verified
 from checkpointing.manifest import Manifest, Writer
 from checkpointing.store import CheckpointInfo
@@ -120,10 +120,14 @@ def unsent_checkpoint(config: TrainConfig, store: CheckpointStore) -> LoadedChec
 
 def commit_unsent(
     config: TrainConfig, unsent: LoadedCheckpoint, store: CheckpointStore, writer: Writer
-) -> CheckpointInfo:
+) -> CheckpointInfo | None:
     """Commits ``unsent`` (``unsent_checkpoint``'s) as it was recorded, metadata and metrics included, through the one
-    commit path, by ``writer``: the attempt that holds the run's claim now."""
+    commit path, by ``writer``: the attempt that holds the run's claim now. None when the store has it by now (the
+    checkpoint agent of the process that died commits it too, and a relaunch here waits for the agent's lease)."""
     info = unsent.info
+    latest = store.latest()  # the checkpoint agent of the process that died may have committed it while we claimed
+    if latest is not None and position(latest.progress) >= position(info.progress):
+        return None
     terms = CommitTerms(store, dict(info.progress), writer, dict(info.manifest.metadata), retention(config))
     request = snapshot_request(terms, info.name, unsent.objects, network_weights=config.save_network_weights)
     committed = finish(request, drop_superseded=True)
