@@ -22,6 +22,7 @@ from checkpointing.commit.snapshots import SnapshotPipeline
 from checkpointing.errors import TierUnavailable
 from checkpointing.host_tier.tier import STALE_SECONDS, HostTier, Record
 from checkpointing.manifest import Writer
+from training.config import ConfigError
 from training.exceptions import InjectedFault
 from training.run import Run, execute_unit
 from training.start import host_memory
@@ -196,12 +197,7 @@ def test_a_unit_checkpoint_the_store_never_got_is_committed_as_recorded_before_t
     units = dict(save_interval="1ep", eval_each_unit=True)
     reference = make_config(run_name="reference", max_duration="2ep", **units)
     train_run(reference)
-    config = make_config(max_duration="2ep", **units)
-    with Run.open(config) as run:
-        execute_unit(config, unit=0, generation=run.generation)
-    store = CheckpointStore(config.save_folder, config.run_name)
-    store.delete("ep1-ba8-sa256")  # its upload had not landed when the process died: only the tier holds it
-    assert store.latest() is None
+    config = _unit_end_only_in_memory(make_config(max_duration="2ep", **units))
 
     first_segment = config.model_copy(update={"max_duration": "1ep"})
     with Run.open(first_segment) as run:
@@ -211,6 +207,28 @@ def test_a_unit_checkpoint_the_store_never_got_is_committed_as_recorded_before_t
     assert [u.unit for u in result.units] == [1] and result.units[0].origin == "store"  # the second unit only
     assert_same_weights(final_state(config), final_state(reference))
     assert unit_figures(config) == unit_figures(reference)
+
+
+def _unit_end_only_in_memory(config):
+    """Unit 0 trained and committed, then its checkpoint taken out of the store, as if its upload had not landed when
+    the process died: only this machine's memory holds it."""
+    with Run.open(config) as run:
+        execute_unit(config, unit=0, generation=run.generation)
+    store = CheckpointStore(config.save_folder, config.run_name)
+    store.delete("ep1-ba8-sa256")
+    assert store.latest() is None
+    return config
+
+
+def test_a_relaunch_refused_for_its_config_commits_nothing_from_memory_and_names_the_store(make_config):
+    config = _unit_end_only_in_memory(make_config(max_duration="2ep"))
+    changed = config.model_copy(update={"seed": 8})
+    with pytest.raises(ConfigError) as refused:
+        Run.open(changed)
+    assert "host-memory" not in str(refused.value) and config.save_folder in str(refused.value), refused.value
+    assert CheckpointStore(config.save_folder, config.run_name).list() == []  # refused before anything was written
+    with Run.open(config) as run:  # the same config still resumes from it, once it is committed
+        assert run.started_from == "checkpoint ep1-ba8-sa256"
 
 
 def _stop_after_snapshot(config, step: int):

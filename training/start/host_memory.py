@@ -31,7 +31,7 @@ from checkpointing.commit.committer import INTERMEDIATE, CommitTerms, finish, sn
 from checkpointing.host_tier.gc import not_resumable, position
 from checkpointing.host_tier.tier import HostTier, Record, TierUnavailable, verified
 from checkpointing.manifest import Manifest, Writer
-from checkpointing.store import CheckpointInfo
+from checkpointing.store import CHECKPOINTS, CheckpointInfo
 from training.config import TrainConfig
 from training.recipe.loader import uses_own_loop
 from training.start.store import retention
@@ -115,7 +115,11 @@ def unsent_checkpoint(config: TrainConfig, store: CheckpointStore) -> LoadedChec
     report) nor FSDP (a rank's snapshot holds its shards only)."""
     if not config.host_memory_tier or config.parallelism == "fsdp" or uses_own_loop(config):
         return None
-    return _newest(store, unit_ends_only=True)
+    loaded = _newest(store, unit_ends_only=True)
+    if loaded is None:
+        return None
+    at = store.storage.uri(f"{CHECKPOINTS}/{loaded.info.name}")  # where it will be: what the start-up checks name
+    return LoadedCheckpoint(CheckpointInfo(loaded.info.name, at, loaded.info.manifest), loaded.objects)
 
 
 def commit_unsent(
