@@ -375,6 +375,8 @@ def test_a_loop_of_its_own_gets_back_a_report_newer_than_the_stores_from_this_ma
     assert torch.equal(state["model"]["w"], torch.full((3,), 2.0))
     result = again.result(steps=0)
     assert result.origin == "host" and result.resumed_from == "snapshot ep0-ba2-sa0 in this machine's memory"
+    committed = store.latest(deep=True)  # and the store has it again, as it was reported: a loop that ends here
+    assert committed.name == "ep0-ba2-sa0" and committed.metrics == {"loss": 0.5}  # leaves it there, not nothing
     again._committer.drop_snapshots()
 
 

@@ -111,8 +111,8 @@ def sharded_snapshot(config: TrainConfig, store: CheckpointStore, rank: int, siz
 def unsent_checkpoint(config: TrainConfig, store: CheckpointStore) -> LoadedCheckpoint | None:
     """The run's newest resumable state in this machine's memory (verified), when it is a checkpoint the run meant to
     commit (not a snapshot inside a unit) and the store never got it; None otherwise (a snapshot inside a unit stays
-    where it is: the unit resumes from it). Reads only. Not for a loop of its own (it reads the tier itself, report by
-    report) nor FSDP (a rank's snapshot holds its shards only)."""
+    where it is: the unit resumes from it). Reads only. Not for a loop of its own (its ``ctx.get_checkpoint()`` commits
+    the report it resumes from memory: training/unit/own_loop.py) nor FSDP (a rank's snapshot holds its shards only)."""
     if not config.host_memory_tier or config.parallelism == "fsdp" or uses_own_loop(config):
         return None
     loaded = _newest(store, unit_ends_only=True)

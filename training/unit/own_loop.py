@@ -51,7 +51,7 @@ from training.position.sampler import ResumableBatchSampler
 from training.preemption import Preempted
 from training.recipe.context import RunContext
 from training.recipe.loader import load_recipe
-from training.start.host_memory import newest_snapshot
+from training.start.host_memory import commit_unsent, newest_snapshot
 from training.start.identity import check_same_run
 from training.start.load_path import read_checkpoint, read_weights
 from training.start.store import open_store
@@ -133,6 +133,8 @@ class LoopContext(RunContext):
         mine = [STATE_FILE, rng_file(self._world.rank), rank_state_file(self._world.rank)]
         in_memory = newest_snapshot(self._config, self._store, self._world.rank, self._world.size)
         if in_memory is not None:  # a report newer than the store's, in this machine's memory (a hard kill's relaunch)
+            if self._world.rank == 0:  # its upload died with its process: the store gets it first, as it was recorded
+                commit_unsent(self._config, in_memory, self._store, self._checkpointer.writer)
             return self._resume(in_memory.info, in_memory.objects, restore_rng, from_memory=True)
         candidates = self._store.candidates() if self._world.rank == 0 else iter(())
         while (info := ranks.on_rank0(lambda: next(candidates, None))) is not None:
