@@ -145,7 +145,7 @@ class Run:
         phases.mark("preflight")
         store = open_store(config)
         start = store.latest()
-        unsent = unsent_checkpoint(config, store)  # in this machine's memory only: where the run stands, once committed
+        unsent = unsent_checkpoint(config, store, lambda: start)  # in this machine's memory only: committed below
         phases.mark("store")
         over = starts_over(config, store, start, attempt)  # autoresume=False on a run with checkpoints: refused, or
         newest = unsent.info if unsent is not None else start

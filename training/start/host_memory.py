@@ -24,6 +24,7 @@ Resumed from instead, a unit's end left the relaunch a unit of 0 steps that comm
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from checkpointing import CheckpointStore, LoadedCheckpoint
@@ -108,14 +109,16 @@ def sharded_snapshot(config: TrainConfig, store: CheckpointStore, rank: int, siz
             tier.close()
 
 
-def unsent_checkpoint(config: TrainConfig, store: CheckpointStore) -> LoadedCheckpoint | None:
+def unsent_checkpoint(
+    config: TrainConfig, store: CheckpointStore, latest: Callable[[], CheckpointInfo | None] | None = None
+) -> LoadedCheckpoint | None:
     """The run's newest resumable state in this machine's memory (verified), when it is a checkpoint the run meant to
     commit (not a snapshot inside a unit) and the store never got it; None otherwise (a snapshot inside a unit stays
     where it is: the unit resumes from it). Reads only. Not for a loop of its own (its ``ctx.get_checkpoint()`` commits
     the report it resumes from memory: training/unit/own_loop.py) nor FSDP (a rank's snapshot holds its shards only)."""
     if not config.host_memory_tier or config.parallelism == "fsdp" or uses_own_loop(config):
         return None
-    loaded = _newest(store, unit_ends_only=True)
+    loaded = _newest(store, unit_ends_only=True, latest=latest)
     if loaded is None:
         return None
     at = store.storage.uri(f"{CHECKPOINTS}/{loaded.info.name}")  # where it will be: what the start-up checks name
@@ -143,7 +146,12 @@ def commit_unsent(
     return committed
 
 
-def _newest(store: CheckpointStore, name: str | None = None, unit_ends_only: bool = False) -> LoadedCheckpoint | None:
+def _newest(
+    store: CheckpointStore,
+    name: str | None = None,
+    unit_ends_only: bool = False,
+    latest: Callable[[], CheckpointInfo | None] | None = None,
+) -> LoadedCheckpoint | None:
     """Rank 0's newest resumable snapshot (or the one called ``name``) that verifies; with ``unit_ends_only``, None
     when that snapshot is one inside a unit (before its bytes are read)."""
     try:
@@ -153,11 +161,11 @@ def _newest(store: CheckpointStore, name: str | None = None, unit_ends_only: boo
         return None
     try:
         records = sorted(tier.records(0), key=lambda r: r[1].seq, reverse=True)
-        latest = store.latest() if records else None
+        newest = (latest or store.latest)() if records else None
         for index, record in records:
             if name is not None and record.name != name:
                 continue
-            why = not_resumable(store, record, latest)
+            why = not_resumable(store, record, newest)
             if why:
                 logger.info("host-memory snapshot %s not used: %s", record.name, why)
                 return None  # the older ones are older still
