@@ -224,8 +224,14 @@ def test_a_full_disk_mid_run_is_one_line_at_the_path_and_the_relaunch_after_free
         filler.unlink()
         relaunched = _lifecycle(disk / "runs", tier, tmp_path / "relaunched.log")
         assert relaunched.returncode == 0, (tmp_path / "relaunched.log").read_text()[-3000:]
-        result = json.loads((tmp_path / "relaunched.log").read_text().strip().splitlines()[-1])
-        assert result["started_from"] == f"checkpoint {first.name}"  # ep2 itself may come from the host tier
+        log = (tmp_path / "relaunched.log").read_text()
+        result = json.loads(log.strip().splitlines()[-1])
+        second = ref.list()[
+            1
+        ].name  # the unit whose write failed, in this machine's memory: committed first, as recorded
+        assert result["started_from"] == f"checkpoint {second}", log[-3000:]
+        assert f"checkpoint {second} was in this machine's memory only" in log
+        assert store.info(second).metrics["samples"] == ref.info(second).metrics["samples"]  # not a unit of 0 steps
         ours = store.load_latest(["state.pt"]).objects["state.pt"]["state"]["model"]
         assert store.latest().name == ref.latest().name
     theirs = ref.load_latest(["state.pt"]).objects["state.pt"]["state"]["model"]

@@ -129,14 +129,16 @@ def commit_unsent(
     config: TrainConfig, unsent: LoadedCheckpoint, store: CheckpointStore, writer: Writer
 ) -> CheckpointInfo | None:
     """Commits ``unsent`` (``unsent_checkpoint``'s) as it was recorded, metadata and metrics included, through the one
-    commit path, by ``writer``: the attempt that holds the run's claim now. None when the store has it by now (the
+    commit path, by ``writer``: the attempt that holds the run's claim now, which names it (the store's rule: its
+    position, plus ``-g<generation>`` where an older writer's checkpoint has that name; a roll-back's, say). None when the store has it by now (the
     checkpoint agent of the process that died commits it too, and a relaunch here waits for the agent's lease)."""
     info = unsent.info
     latest = store.latest()  # the checkpoint agent of the process that died may have committed it while we claimed
     if latest is not None and position(latest.progress) >= position(info.progress):
         return None
     terms = CommitTerms(store, dict(info.progress), writer, dict(info.manifest.metadata), retention(config))
-    request = snapshot_request(terms, info.name, unsent.objects, network_weights=config.save_network_weights)
+    name = store.name_for(dict(info.progress), writer.generation)  # named by its writer: -g<n> beside an older one
+    request = snapshot_request(terms, name, unsent.objects, network_weights=config.save_network_weights)
     committed = finish(request, drop_superseded=True)
     logger.info(
         "checkpoint %s was in this machine's memory only (the process that took it died before its upload landed): "
