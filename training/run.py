@@ -37,7 +37,7 @@ from training.metrics.log import close_run
 from training.position.progress import Progress, at, check_progress, is_complete, is_past, rescaled, unit_index
 from training.preemption import STOP, raise_if_requested
 from training.recipe.loader import uses_own_loop
-from training.start.host_memory import commit_unsent, unsent_checkpoint
+from training.start.host_memory import commit_unsent, newest_snapshot, unsent_checkpoint
 from training.start.identity import check_same_run, requested_data_skip, same_data_skip
 from training.start.overwrite import start_over, starts_over
 from training.start.phases import Phases
@@ -147,8 +147,12 @@ class Run:
         start = store.latest()
         unsent = unsent_checkpoint(config, store, lambda: start)  # in this machine's memory only: committed below
         phases.mark("store")
-        over = starts_over(config, store, start, attempt)  # autoresume=False on a run with checkpoints: refused, or
         newest = unsent.info if unsent is not None else start
+        ours = newest  # the run's newest checkpoint, wherever it is: a snapshot only this machine's memory holds counts
+        if ours is None and not config.autoresume:  # too, and must not be resumed from silently
+            in_memory = newest_snapshot(config, store)
+            ours = in_memory.info if in_memory else None
+        over = starts_over(config, store, ours, attempt)  # autoresume=False on a run with checkpoints: refused, or
         if newest is not None and not over:  # (save_overwrite=True) started over once the run is claimed
             check_same_run(config, newest, store if unsent is None else None)  # (a fit is checked when it loads)
         elif config.load_path and not uses_own_loop(config):

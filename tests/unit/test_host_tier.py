@@ -231,6 +231,26 @@ def test_a_relaunch_refused_for_its_config_commits_nothing_from_memory_and_names
         assert run.started_from == "checkpoint ep1-ba8-sa256"
 
 
+@pytest.mark.parametrize("at_unit_end", [True, False], ids=["unit-end", "inside-a-unit"])
+def test_autoresume_false_counts_what_only_this_machines_memory_holds_as_the_runs_checkpoints(make_config, at_unit_end):
+    """autoresume=False on a run whose only checkpoint is in this machine's memory: refused without save_overwrite (as
+    with one in the store), started over with it; before, the run resumed from memory as if autoresume were true."""
+    if at_unit_end:
+        config = _unit_end_only_in_memory(make_config(max_duration="2ep"))
+    else:
+        config = make_config(**SNAPSHOTS)
+        _stop_after_snapshot(config, 5)
+    store = CheckpointStore(config.save_folder, config.run_name)
+    assert store.latest() is None and host_memory.newest_snapshot(config, store) is not None
+    with pytest.raises(ConfigError, match="autoresume=False but run_name='r' already has checkpoints"):
+        Run.open(config.model_copy(update={"autoresume": False}))
+    over = config.model_copy(update={"autoresume": False, "save_overwrite": True})
+    with Run.open(over) as run:
+        assert run.started_from == "no checkpoint"
+        result = execute_unit(over, unit=0, generation=run.generation)
+    assert result.origin == "fresh" and result.steps == 8
+
+
 def _stop_after_snapshot(config, step: int):
     """Trains in this process until the snapshot of ``step`` is published, then drops the process's state as a killed
     process would lose it, and the snapshots inside the unit that reached the store, as if the kill came before
