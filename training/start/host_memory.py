@@ -15,10 +15,10 @@ all of these hold, and the store is used otherwise:
 
 A checkpoint the run meant to commit (a unit's, a stop's: not a snapshot inside a unit) that is in the tier and not
 in the store lost its upload with the process. The relaunch commits it first, as it was recorded (``commit_unsent``,
-from ``Run.open``: checked with the store's newest before the run is claimed,
-committed once it is): the store then says where the run stands, with that unit's own metrics.
-Resumed from instead, a unit's end left the relaunch a unit of 0 steps that committed the same checkpoint again with
-0 samples, a train_loss of 0 and no evaluation (a sweep then decided on those).
+from ``Run.open``: checked like the store's newest before the run is claimed, committed once it is; and from a unit's
+cold start, for a retry in the same process): the store then says where the run stands, with that unit's own
+metrics. Resumed from instead, a unit's end left the relaunch a unit of 0 steps that committed the same checkpoint
+again with 0 samples, a train_loss of 0 and no evaluation (a sweep then decided on those).
 """
 
 from __future__ import annotations
@@ -130,8 +130,9 @@ def commit_unsent(
 ) -> CheckpointInfo | None:
     """Commits ``unsent`` (``unsent_checkpoint``'s) as it was recorded, metadata and metrics included, through the one
     commit path, by ``writer``: the attempt that holds the run's claim now, which names it (the store's rule: its
-    position, plus ``-g<generation>`` where an older writer's checkpoint has that name; a roll-back's, say). None when the store has it by now (the
-    checkpoint agent of the process that died commits it too, and a relaunch here waits for the agent's lease)."""
+    position, plus ``-g<generation>`` where an older writer's checkpoint has that name, a roll-back's say). None when
+    the store has it by now (the checkpoint agent of the process that died commits it too, and a relaunch here waits
+    for the agent's lease)."""
     info = unsent.info
     latest = store.latest()  # the checkpoint agent of the process that died may have committed it while we claimed
     if latest is not None and position(latest.progress) >= position(info.progress):
