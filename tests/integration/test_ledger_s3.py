@@ -56,12 +56,21 @@ def recorder(moto_server, tmp_path, monkeypatch):
             call()
         finally:
             api("stop-recording")
-        lines = api("download-recording", "GET").splitlines()
-        return [
-            (e["method"], e["url"], {k.lower(): v for k, v in e["headers"].items()}) for e in map(json.loads, lines)
-        ]
+        entries = recorded_entries(api("download-recording", "GET"))
+        return [(e["method"], e["url"], {k.lower(): v for k, v in e["headers"].items()}) for e in entries]
 
     return record
+
+
+def recorded_entries(text: str) -> list[dict]:
+    """The recording's entries. moto's threaded server appends each as two writes (the JSON, then a newline) with no
+    lock, so two requests at once can leave two entries on one line ("{...}{...}" then two newlines): read as
+    consecutive JSON values, not one per line."""
+    decoder, entries, at = json.JSONDecoder(), [], 0
+    while (at := len(text) - len(text[at:].lstrip())) < len(text):
+        entry, at = decoder.raw_decode(text, at)
+        entries.append(entry)
+    return entries
 
 
 def test_copy_checkpoint_on_s3_is_copy_object_and_reads_no_byte_of_the_checkpoint(s3, sweep, recorder):
