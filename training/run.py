@@ -152,8 +152,9 @@ class Run:
         if ours is None and not config.autoresume:  # too, and must not be resumed from silently
             in_memory = newest_snapshot(config, store)
             ours = in_memory.info if in_memory else None
-        over = starts_over(config, store, ours, attempt)  # autoresume=False on a run with checkpoints: refused, or
-        if newest is not None and not over:  # (save_overwrite=True) started over once the run is claimed
+        # autoresume=False on a run with checkpoints: refused, or (save_overwrite=True) started over once it is claimed
+        over = starts_over(config, store, ours, attempt, in_memory=ours is not start)
+        if newest is not None and not over:
             check_same_run(config, newest, store if unsent is None else None)  # (a fit is checked when it loads)
         elif config.load_path and not uses_own_loop(config):
             check_load_path(config)  # a folder, or a safe weights file that fits the model; else ConfigError

@@ -242,8 +242,12 @@ def test_autoresume_false_counts_what_only_this_machines_memory_holds_as_the_run
         _stop_after_snapshot(config, 5)
     store = CheckpointStore(config.save_folder, config.run_name)
     assert store.latest() is None and host_memory.newest_snapshot(config, store) is not None
-    with pytest.raises(ConfigError, match="autoresume=False but run_name='r' already has checkpoints"):
+    with pytest.raises(ConfigError, match="autoresume=False but run_name='r' already has checkpoints") as refused:
         Run.open(config.model_copy(update={"autoresume": False}))
+    name = "ep1-ba8-sa256" if at_unit_end else "ep0-ba5-sa160"
+    assert f"(its newest, {name}, in this machine's memory: its upload to {store.uri} did not land)" in str(
+        refused.value
+    )
     over = config.model_copy(update={"autoresume": False, "save_overwrite": True})
     with Run.open(over) as run:
         assert run.started_from == "no checkpoint"

@@ -20,9 +20,12 @@ from training.config import ConfigError, TrainConfig
 logger = logging.getLogger(__name__)
 
 
-def starts_over(config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None, attempt: int) -> bool:
+def starts_over(
+    config: TrainConfig, store: CheckpointStore, start: CheckpointInfo | None, attempt: int, in_memory: bool = False
+) -> bool:
     """Whether this launch starts the run over (checked before anything is written); ConfigError when it would
-    write over the run's checkpoints without save_overwrite."""
+    write over the run's checkpoints without save_overwrite. ``in_memory``: ``start`` is in this machine's memory only
+    (its upload did not land: training/start/host_memory.py)."""
     if start is None:
         return False
     if config.autoresume:
@@ -37,8 +40,13 @@ def starts_over(config: TrainConfig, store: CheckpointStore, start: CheckpointIn
     if attempt > 1:
         return False  # a restart of the launch that started over (or was refused): it continues what it trained
     if not config.save_overwrite:
+        where = (
+            f"(its newest, {start.name}, in this machine's memory: its upload to {store.uri} did not land)"
+            if in_memory
+            else f"in {store.uri}"
+        )
         raise ConfigError(
-            f"autoresume=False but run_name={config.run_name!r} already has checkpoints in {store.uri}; set "
+            f"autoresume=False but run_name={config.run_name!r} already has checkpoints {where}; set "
             f"autoresume=True to continue it, save_overwrite=True to start it over (its checkpoints are deleted), "
             f"or choose a new run_name"
         )
